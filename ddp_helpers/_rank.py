@@ -1,0 +1,108 @@
+"""What runs first inside every rank process that `launch` starts.
+
+Kept tiny and free of the learner's code, because the start server preloads it: anything
+imported here is imported once per kernel, and a learner's edits to it would not be seen.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class RankSpec:
+    """Everything a rank needs from the parent, sent once at start."""
+
+    payload: bytes  # pickle of (fn, args): unpickled here so import errors are reported per rank
+    env: dict[str, str]  # the parent's os.environ at launch time plus the rendezvous variables
+    sys_path: list[str]
+    cwd: str
+    out: Any  # multiprocessing Connection (write end) that becomes fd 1
+    err: Any  # ... and fd 2
+    result: Any  # framed pickles back to the parent: ("ok", value) or ("error", ...)
+    lifeline: Any  # read end; EOF means the parent is gone or gave up on this run
+
+
+def rank_entry(rank: int, specs: list[RankSpec]) -> None:
+    """Set the rank up like a fresh process of the caller's, run fn(rank, *args), report back."""
+    os.setsid()  # own process group: the parent stops the rank and its DataLoader workers at once
+    spec = specs[rank]
+    for other in specs:  # torch passes every rank the same args; keep only our own pipe ends
+        if other is not spec:
+            for conn in (other.out, other.err, other.result):
+                conn.close()
+    _redirect(spec)
+    os.environ.clear()
+    os.environ.update(spec.env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    sys.path[:] = spec.sys_path
+    os.chdir(spec.cwd)
+    _watch_lifeline(spec.lifeline)
+    try:
+        fn, args = pickle.loads(spec.payload)
+        value = fn(rank, *args)
+        message = pickle.dumps(("ok", _to_cpu(value)))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        _flush()
+        spec.result.send_bytes(_error_message(e))
+        raise  # torch's _wrap records it too and exits with status 1
+    _flush()
+    spec.result.send_bytes(message)
+
+
+def _redirect(spec: RankSpec) -> None:
+    """Point fds 1 and 2 (Python's and C++'s output alike) at pipes the parent relays."""
+    os.dup2(spec.out.fileno(), 1)
+    os.dup2(spec.err.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    spec.out.close()
+    spec.err.close()
+
+
+def _watch_lifeline(lifeline) -> None:
+    """Stop this rank (and its workers) when the parent closes the lifeline or dies."""
+
+    def watch() -> None:
+        try:
+            lifeline.recv_bytes()
+        except (EOFError, OSError):
+            pass
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="ddp_helpers-lifeline", daemon=True).start()
+
+
+def _error_message(e: BaseException) -> bytes:
+    tb = traceback.format_exc()
+    return pickle.dumps(("error", type(e).__qualname__, str(e), tb))
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _to_cpu(value):
+    """Move returned tensors to the CPU, so unpickling them never touches CUDA in the kernel."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_cpu(v) for v in value)
+    return value

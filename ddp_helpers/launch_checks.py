@@ -1,0 +1,149 @@
+"""Refusals `launch` makes before starting anything: each message says what to do instead."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import pickle
+import pickletools
+import socket
+from typing import Any
+
+from .errors import LaunchRefused
+
+START_METHODS = ("forkserver", "spawn")
+OUTPUT_MODES = ("live", "by_rank", "none")
+
+_MODULE_FIX = (
+    "Spawned ranks are fresh processes: they import the function by its module and name, and a "
+    "notebook's __main__ is not importable from another process. Put the function in a .py file "
+    "and import it, for example:\n"
+    "    %%writefile my_ranks.py\n"
+    "    def work(rank, world_size):\n"
+    "        ...\n"
+    "then `import my_ranks` and `dh.launch(my_ranks.work, args=(2,), nprocs=2)`."
+)
+
+
+def max_procs() -> int:
+    """The most ranks one launch may start here: each rank is a process with its own torch."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
+def check_launch(fn, args, nprocs, timeout, start_method, output) -> bytes:
+    """Validate everything checkable in the parent; return the pickled (fn, args) payload."""
+    _check_nprocs(nprocs)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise LaunchRefused(
+            f"timeout={timeout!r}: give the number of seconds the whole run may take, above 0 "
+            "(for example timeout=120). Nothing was started.")
+    if start_method not in START_METHODS:
+        hint = (" 'fork' would copy this (multi-threaded, possibly CUDA-initialised) kernel into "
+                "every rank, which can deadlock or crash." if start_method == "fork" else "")
+        raise LaunchRefused(f"start_method={start_method!r}: use one of {START_METHODS}.{hint}")
+    if output not in OUTPUT_MODES:
+        raise LaunchRefused(f"output={output!r}: use one of {OUTPUT_MODES}.")
+    if not isinstance(args, tuple):
+        raise LaunchRefused(
+            f"args must be a tuple (got {type(args).__name__}): fn is called as fn(rank, *args), "
+            "as torch.multiprocessing.spawn does; write args=(x,) for one argument.")
+    check_importable(fn)
+    return _pickle_payload(fn, args)
+
+
+def _check_nprocs(nprocs) -> None:
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise LaunchRefused(f"nprocs={nprocs!r}: give the number of ranks as an int, e.g. 2.")
+    if nprocs < 1:
+        raise LaunchRefused(
+            f"nprocs={nprocs}: a run needs at least 1 rank (usually 2 here). Nothing was started.")
+    if nprocs > max_procs():
+        raise LaunchRefused(
+            f"nprocs={nprocs} is more than this machine can hold: each rank is a process with its "
+            f"own copy of torch (a few hundred MB), and this machine has {os.cpu_count()} cores; "
+            f"the limit here is {max_procs()}. Use fewer ranks. Nothing was started.")
+
+
+def check_importable(fn: Any) -> None:
+    """Refuse a function the ranks could not import by module and name."""
+    target = getattr(fn, "func", fn)  # functools.partial: check the wrapped function
+    target = getattr(target, "__func__", target)  # bound method: check the function itself
+    if not callable(target):
+        raise LaunchRefused(f"fn={fn!r} is not callable: pass a function defined in a module.")
+    name = getattr(target, "__qualname__", repr(target))
+    module = getattr(target, "__module__", None)
+    if name.endswith("<lambda>") or "<lambda>" in name:
+        raise LaunchRefused(f"fn is a lambda ({name}): the ranks cannot import it by name. "
+                            + _MODULE_FIX)
+    if "<locals>" in name:
+        raise LaunchRefused(
+            f"fn {name} is defined inside another function (a nested function or closure): the "
+            "ranks cannot import it by name. Define it at the top level of a module. "
+            + _MODULE_FIX)
+    if module in (None, "__main__", "__mp_main__", "builtins"):
+        where = "in the notebook (module __main__)" if module != "builtins" else "as a builtin"
+        raise LaunchRefused(f"fn {name} is defined {where}, so the ranks cannot import it. "
+                            + _MODULE_FIX)
+    if importlib.util.find_spec(module) is None:
+        raise LaunchRefused(
+            f"fn {name} comes from module {module!r}, which a new process cannot import (it has "
+            "no file on sys.path). " + _MODULE_FIX)
+
+
+def _pickle_payload(fn, args: tuple) -> bytes:
+    try:
+        pickle.dumps(fn)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
+        raise LaunchRefused(f"fn {fn!r} cannot be pickled ({type(e).__name__}: {e}). "
+                            + _MODULE_FIX) from e
+    for i, arg in enumerate(args):
+        try:
+            blob = pickle.dumps(arg)
+        except Exception as e:  # noqa: BLE001
+            raise LaunchRefused(
+                f"args[{i}] (a {type(arg).__name__}) cannot be pickled, so it cannot be sent to "
+                f"the ranks: {type(e).__name__}: {e}. Pass plain data (numbers, strings, lists, "
+                "dicts, CPU tensors) and build the rest inside the rank.") from e
+        main_refs = _main_globals(blob)
+        if main_refs:
+            raise LaunchRefused(
+                f"args[{i}] (a {type(arg).__name__}) refers to {', '.join(main_refs)} from the "
+                "notebook (__main__), which the ranks cannot import. Move that class or function "
+                "into a .py module. " + _MODULE_FIX)
+    return pickle.dumps((fn, args))
+
+
+def _main_globals(blob: bytes) -> list[str]:
+    """Names a pickle looks up in __main__ (they fail to unpickle in another process)."""
+    found, strings, memo = [], [], {}
+    last = None  # the string the previous opcode pushed, if any
+    for op, arg, _ in pickletools.genops(io.BytesIO(blob)):
+        pushed = None
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+            pushed = arg
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = last
+            pushed = last
+        elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+            pushed = memo.get(arg)
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2 and strings[-2] == "__main__":
+            found.append(f"__main__.{strings[-1]}")
+        elif op.name == "GLOBAL" and str(arg).startswith("__main__ "):
+            found.append("__main__." + str(arg).split(" ", 1)[1])
+        if pushed is not None and op.name != "MEMOIZE":
+            strings.append(pushed)
+        last = pushed
+    return found
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Refuse a caller-chosen MASTER_PORT that another process already holds."""
+    with socket.socket() as s:
+        try:
+            s.bind((addr, port))
+        except OSError as e:
+            raise LaunchRefused(
+                f"master_port={port} on {addr} is already in use ({e.strerror}), so rank 0 could "
+                "not start the rendezvous store there. Leave master_port unset and launch picks a "
+                "free port, or stop the process holding it. Nothing was started.") from e

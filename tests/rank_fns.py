@@ -1,0 +1,113 @@
+"""Per-rank functions the launcher tests start (importable: spawned ranks import them by name)."""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import ddp_helpers as dh
+
+
+def rank_times_ten(rank):
+    return rank * 10
+
+
+def rendezvous_env(rank):
+    keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    return {k: os.environ.get(k) for k in keys}
+
+
+def all_reduce_sum(rank, world_size):
+    with dh.process_group(rank, world_size, verbose=False):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t)
+        return t.item()
+
+
+def talk(rank):
+    print(f"python stdout {rank}")
+    print(f"python stderr {rank}", file=sys.stderr)
+    os.write(1, f"fd-level stdout {rank}\n".encode())  # what C/C++ code does
+    return rank
+
+
+def raise_on_rank_one(rank, world_size):
+    with dh.process_group(rank, world_size, verbose=False):
+        if rank == 1:
+            raise ValueError("boom on purpose")
+        dist.barrier()  # rank 0 blocks here forever: the launcher must stop it at once
+    return rank
+
+
+def exit_on_rank_one(rank, code):
+    if rank == 1:
+        os._exit(code)
+    time.sleep(60)
+    return rank
+
+
+def sigkill_rank_one(rank):
+    if rank == 1:
+        print("about to be killed", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+def rank_one_skips_barrier(rank, world_size):
+    with dh.process_group(rank, world_size, verbose=False):
+        if rank == 1:
+            print("rank 1 sleeping instead of the barrier", flush=True)
+            time.sleep(600)
+        print("rank 0 waiting in the barrier", flush=True)
+        dist.barrier()
+
+
+def sleep_forever(rank):
+    print(f"sleeping {rank}", flush=True)
+    time.sleep(600)
+
+
+def group_destroyed_after_error(rank, world_size):
+    try:
+        with dh.process_group(rank, world_size, verbose=False):
+            raise RuntimeError("inside the group")
+    except RuntimeError:
+        pass
+    return dist.is_initialized()
+
+
+def finish_then_other_raises(rank):
+    if rank == 1:
+        time.sleep(0.5)
+        raise KeyError("late failure")
+    return "rank 0 finished"
+
+
+def returns_unpicklable(rank):
+    return lambda: rank
+
+
+def backend_seen(rank, world_size):
+    with dh.process_group(rank, world_size, verbose=False):
+        return dist.get_backend()
+
+
+def backend_seen_verbose(rank, world_size):
+    with dh.process_group(rank, world_size):
+        return dist.get_backend()
+
+
+def rank_zero_first_order(rank, world_size):
+    with dh.process_group(rank, world_size, verbose=False):
+        with dh.rank_zero_first():
+            stamp = time.monotonic()
+            time.sleep(0.3)
+        return stamp
+
+
+def current_cuda_device(rank, world_size):
+    with dh.process_group(rank, world_size, verbose=False):
+        return torch.cuda.current_device()

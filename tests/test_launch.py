@@ -1,0 +1,199 @@
+"""dh.launch: results, environment, output relay, failures, timeouts, clean-up, warm relaunch."""
+
+import importlib
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import rank_fns
+from conftest import rank_processes, wait_no_rank_processes
+
+import ddp_helpers as dh
+
+
+def test_results_come_back_in_rank_order(no_leftovers):
+    assert dh.launch(rank_fns.rank_times_ten, nprocs=3, timeout=60) == [0, 10, 20]
+
+
+def test_all_reduce_over_gloo(no_leftovers):
+    assert dh.launch(rank_fns.all_reduce_sum, args=(2,), nprocs=2, timeout=60) == [3.0, 3.0]
+
+
+def test_rendezvous_variables_set_for_ranks_not_for_caller(no_leftovers):
+    before = dict(os.environ)
+    first = dh.launch(rank_fns.rendezvous_env, nprocs=2, timeout=60)
+    second = dh.launch(rank_fns.rendezvous_env, nprocs=2, timeout=60)
+    assert dict(os.environ) == before
+    assert [e["RANK"] for e in first] == ["0", "1"]
+    assert [e["LOCAL_RANK"] for e in first] == ["0", "1"]
+    assert {e["WORLD_SIZE"] for e in first} == {"2"}
+    assert {e["MASTER_ADDR"] for e in first} == {"127.0.0.1"}
+    assert int(first[0]["MASTER_PORT"]) > 0
+    assert first[0]["MASTER_PORT"] == first[1]["MASTER_PORT"]
+    assert first[0]["MASTER_PORT"] != second[0]["MASTER_PORT"]  # a fresh free port per launch
+
+
+def test_output_relayed_with_rank_prefix_including_fd_writes(capsys, no_leftovers):
+    dh.launch(rank_fns.talk, nprocs=2, timeout=60)
+    out, err = capsys.readouterr()
+    for r in (0, 1):
+        assert f"[rank {r}] python stdout {r}" in out
+        assert f"[rank {r}] fd-level stdout {r}" in out
+        assert f"[rank {r}] python stderr {r}" in err
+
+
+def test_by_rank_output_is_grouped_rank_zero_first(capsys, no_leftovers):
+    dh.launch(rank_fns.talk, nprocs=2, timeout=60, output="by_rank")
+    out, _ = capsys.readouterr()
+    lines = out.splitlines()
+    assert [line[:8] for line in lines] == ["[rank 0]"] * 2 + ["[rank 1]"] * 2
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda rank: rank, "lambda"),
+    (None, "inside another function"),
+])
+def test_refuses_functions_ranks_cannot_import(fn, match):
+    if fn is None:
+        def nested(rank):
+            return rank
+        fn = nested
+    with pytest.raises(dh.LaunchRefused, match=match) as info:
+        dh.launch(fn, nprocs=2, timeout=10)
+    assert "%%writefile" in str(info.value)
+
+
+def test_refuses_a_function_defined_in_main():
+    namespace = {"__name__": "__main__"}
+    exec("def work(rank):\n    return rank\n", namespace)
+    with pytest.raises(dh.LaunchRefused, match=r"defined in the notebook \(module __main__\)"):
+        dh.launch(namespace["work"], nprocs=2, timeout=10)
+
+
+@pytest.mark.parametrize("nprocs, match", [(0, "at least 1 rank"), (-2, "at least 1 rank"),
+                                           (10**6, "more than this machine can hold"),
+                                           (2.0, "as an int")])
+def test_refuses_bad_nprocs(nprocs, match):
+    with pytest.raises(dh.LaunchRefused, match=match):
+        dh.launch(rank_fns.rank_times_ten, nprocs=nprocs, timeout=10)
+
+
+@pytest.mark.parametrize("timeout", [0, -1])
+def test_refuses_timeout_of_zero_or_less(timeout):
+    with pytest.raises(dh.LaunchRefused, match="above 0"):
+        dh.launch(rank_fns.rank_times_ten, nprocs=2, timeout=timeout)
+
+
+def test_refuses_unpicklable_argument_and_names_it():
+    with pytest.raises(dh.LaunchRefused, match=r"args\[1\] \(a lock\) cannot be pickled"):
+        dh.launch(rank_fns.rank_times_ten, args=(1, threading.Lock()), nprocs=2, timeout=10)
+
+
+def test_refuses_fork_and_names_the_hazard():
+    with pytest.raises(dh.LaunchRefused, match="fork.*deadlock or crash"):
+        dh.launch(rank_fns.rank_times_ten, nprocs=2, timeout=10, start_method="fork")
+
+
+def test_rank_that_raises_is_named_and_others_stopped(no_leftovers):
+    t0 = time.monotonic()
+    with pytest.raises(dh.RankRaised, match=r"rank 1 of 2 raised ValueError: boom on purpose") as e:
+        dh.launch(rank_fns.raise_on_rank_one, args=(2,), nprocs=2, timeout=120)
+    assert e.value.rank == 1 and e.value.exc_type == "ValueError"
+    assert 'raise ValueError("boom on purpose")' in e.value.traceback_text
+    assert isinstance(e.value, dh.LaunchError)
+    # rank 0 sat in a barrier: it was stopped, not waited for until the timeout
+    assert time.monotonic() - t0 < 60
+
+
+def test_rank_that_calls_os_exit_is_named_with_its_code(no_leftovers):
+    with pytest.raises(dh.RankDied, match=r"rank 1 of 2 exited with code 3") as e:
+        dh.launch(rank_fns.exit_on_rank_one, args=(3,), nprocs=2, timeout=60)
+    assert e.value.exitcode == 3 and e.value.rank == 1
+
+
+def test_rank_killed_by_sigkill_is_named_with_the_signal(no_leftovers):
+    with pytest.raises(dh.RankDied, match=r"rank 1 of 2 was killed by signal SIGKILL") as e:
+        dh.launch(rank_fns.sigkill_rank_one, nprocs=2, timeout=60)
+    assert e.value.signal_name == "SIGKILL"
+    assert "about to be killed" in str(e.value)  # its last line of output
+
+
+def test_timeout_names_unfinished_ranks_and_their_last_lines(no_leftovers):
+    with pytest.raises(dh.LaunchTimeout, match=r"rank\(s\) 0, 1 of 2 had not finished") as e:
+        dh.launch(rank_fns.rank_one_skips_barrier, args=(2,), nprocs=2, timeout=5)
+    assert e.value.last_lines[0] == "rank 0 waiting in the barrier"
+    assert e.value.last_lines[1] == "rank 1 sleeping instead of the barrier"
+
+
+def test_results_of_finished_ranks_survive_a_failure(no_leftovers):
+    with pytest.raises(dh.RankRaised, match="KeyError") as e:
+        dh.launch(rank_fns.finish_then_other_raises, nprocs=2, timeout=60)
+    assert e.value.finished == [0]
+    assert e.value.results[0] == "rank 0 finished"
+
+
+def test_unpicklable_return_value_is_reported(no_leftovers):
+    with pytest.raises(dh.RankRaised, match="rank 0 of 2 raised"):
+        dh.launch(rank_fns.returns_unpicklable, nprocs=2, timeout=60)
+
+
+def test_keyboard_interrupt_stops_every_rank():
+    main = threading.main_thread().ident
+    timer = threading.Timer(2.0, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        dh.launch(rank_fns.sleep_forever, nprocs=2, timeout=120)
+    timer.cancel()
+    assert wait_no_rank_processes(3.0) == []
+    assert dh.launch(rank_fns.rank_times_ten, nprocs=2, timeout=60) == [0, 10]
+
+
+def test_twenty_launches_leave_no_process_behind(no_leftovers):
+    dh.launch(rank_fns.rank_times_ten, nprocs=2, timeout=60)  # starts the forkserver
+    for _ in range(20):
+        assert dh.launch(rank_fns.rank_times_ten, nprocs=2, timeout=60) == [0, 10]
+    assert wait_no_rank_processes() == []
+    assert rank_processes() == [] or all(p.status() == "zombie" for p in rank_processes())
+
+
+def test_next_launch_works_after_each_failure(no_leftovers):
+    for fn, args, err in [(rank_fns.raise_on_rank_one, (2,), dh.RankRaised),
+                          (rank_fns.exit_on_rank_one, (3,), dh.RankDied)]:
+        with pytest.raises(err):
+            dh.launch(fn, args=args, nprocs=2, timeout=60)
+        assert dh.launch(rank_fns.all_reduce_sum, args=(2,), nprocs=2, timeout=60) == [3.0, 3.0]
+
+
+def test_edited_module_is_picked_up_by_the_next_launch(tmp_path, monkeypatch, no_leftovers):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = tmp_path / "edited_by_learner.py"
+    source.write_text("def answer(rank):\n    return 'first'\n")
+    module = importlib.import_module("edited_by_learner")
+    assert dh.launch(module.answer, nprocs=2, timeout=60) == ["first", "first"]
+    source.write_text(textwrap.dedent("""\
+        def answer(rank):
+            return 'second, edited'
+    """))
+    os.utime(source, (time.time() + 5, time.time() + 5))  # a new mtime even within one second
+    module = importlib.reload(module)
+    assert dh.launch(module.answer, nprocs=2, timeout=60) == ["second, edited"] * 2
+    sys.modules.pop("edited_by_learner", None)
+
+
+def test_process_group_is_destroyed_on_error(no_leftovers):
+    assert dh.launch(rank_fns.group_destroyed_after_error, args=(2,), nprocs=2,
+                     timeout=60) == [False, False]
+
+
+def test_backend_forced_through_launch(no_leftovers):
+    assert dh.launch(rank_fns.backend_seen, args=(2,), nprocs=2, timeout=60,
+                     backend="gloo") == ["gloo", "gloo"]
+
+
+def test_spawn_start_method_still_works(no_leftovers):
+    assert dh.launch(rank_fns.rank_times_ten, nprocs=2, timeout=120,
+                     start_method="spawn") == [0, 10]
