@@ -31,6 +31,7 @@ from .relay import OutputRelay
 _PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data",
             "numpy", "torchvision", "ddp_helpers._rank"]
 _DRAIN_SECONDS = 1.0  # how long output from finished ranks may keep arriving (their workers)
+_SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arrives within this
 _BACKEND_VAR = "DDP_HELPERS_BACKEND"
 
 
@@ -89,6 +90,7 @@ class _Run:
         self.errors: dict[int, tuple] = {}
         self.exitcodes: dict[int, int] = {}
         self.context = None
+        self.stopped = False
 
     def execute(self, payload: bytes, env: dict, timeout: float) -> list:
         _prepare_start_server(self.start_method)
@@ -130,23 +132,28 @@ class _Run:
     def _supervise(self, ends: dict, deadline: float) -> LaunchError | None:
         procs = self.context.processes
         waiting = {p.sentinel: r for r, p in enumerate(procs)}
+        settle = None  # when only knock-on errors are known, wait briefly for the root cause
         while waiting:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 return self._timeout_error(sorted(waiting.values()))
-            ready = multiprocessing.connection.wait(list(ends) + list(waiting), min(remaining, 1.0))
-            pipes = [o for o in ready if o in ends]
-            for conn in pipes:
+            limit = min(deadline, settle or deadline, now + 1.0) - now
+            ready = multiprocessing.connection.wait(list(ends) + list(waiting), max(limit, 0))
+            for conn in [o for o in ready if o in ends]:
                 self._read(conn, ends)
             for sentinel in [o for o in ready if o in waiting]:
                 rank = waiting.pop(sentinel)
                 procs[rank].join()
                 self.exitcodes[rank] = procs[rank].exitcode
                 self._drain_result(rank, ends)
-            failure = self._first_failure()
-            if failure is not None:
-                return failure
-        return None
+            found = self._first_failure()
+            if found is not None:
+                knock_on, failure = found
+                settle = settle or time.monotonic() + _SETTLE_SECONDS
+                if not knock_on or time.monotonic() >= settle:
+                    return failure
+        found = self._first_failure()
+        return found[1] if found else None
 
     def _read(self, conn, ends: dict) -> None:
         kind, rank = ends[conn]
@@ -186,8 +193,8 @@ class _Run:
             conn.close()
         ends.clear()
 
-    def _first_failure(self) -> LaunchError | None:
-        """The root cause among the failures seen so far, or None while all is well."""
+    def _first_failure(self) -> tuple[bool, LaunchError] | None:
+        """(is it only a knock-on error?, the root cause among failures so far), or None."""
         candidates = []
         for rank, (exc_type, message, _tb) in self.errors.items():
             peer_fault = _looks_like_peer_failure(exc_type, message)
@@ -197,8 +204,9 @@ class _Run:
                 candidates.append((1, rank, "died"))
         if not candidates:
             return None
-        _, rank, kind = min(candidates)
-        return self._raised_error(rank) if kind == "raised" else self._died_error(rank)
+        priority, rank, kind = min(candidates)
+        error = self._raised_error(rank) if kind == "raised" else self._died_error(rank)
+        return priority == 2, error
 
     def _finished(self) -> tuple[list, list[int]]:
         done = sorted(self.results)
@@ -209,7 +217,7 @@ class _Run:
         results, done = self._finished()
         text = (f"rank {rank} of {self.nprocs} raised {exc_type}: {message}\n"
                 f"The other ranks were stopped. The rank's traceback:\n{tb.rstrip()}"
-                + _finished_note(done))
+                + _hint(exc_type, message) + _finished_note(done))
         return RankRaised(text, rank=rank, exc_type=exc_type, exc_message=message,
                           traceback_text=tb, results=results, finished=done)
 
@@ -244,8 +252,9 @@ class _Run:
 
     def _stop_all(self) -> None:
         """SIGKILL every rank's process group (the rank and its workers); reap the ranks."""
-        if self.context is None:
+        if self.context is None or self.stopped:
             return
+        self.stopped = True
         for p in self.context.processes:
             if p.pid is None:
                 continue
@@ -257,6 +266,8 @@ class _Run:
                 p.kill()
         for p in self.context.processes:
             p.join(5)
+            if p.exitcode is not None:
+                p.close()  # release its sentinel fd now, not whenever the GC gets to it
 
     def _cleanup_error_files(self) -> None:
         for path in getattr(self.context, "error_files", []) or []:
@@ -279,6 +290,26 @@ def _looks_like_peer_failure(exc_type: str, message: str) -> bool:
     return any(s in text for s in ("connection closed by peer", "connection reset",
                                    "broken pipe", "distbackenderror", "timed out",
                                    "keyboardinterrupt"))
+
+
+_HINTS = [
+    (("clients joined", "waiting for clients"),
+     "Rank 0's rendezvous store waited for ranks that never arrived: a rank did not call "
+     "init_process_group (or returned or failed before it), or used another MASTER_PORT."),
+    (("timed out", "timeout"),
+     "A collective or barrier timed out: another rank never called the matching collective (a "
+     "desync) or was stuck. Rerun with env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'} to have torch "
+     "check that every rank calls the same collectives, or use dist.monitored_barrier to name "
+     "the rank that did not arrive."),
+]
+
+
+def _hint(exc_type: str, message: str) -> str:
+    text = f"{exc_type} {message}".lower()
+    for needles, hint in _HINTS:
+        if any(n.lower() in text for n in needles):
+            return "\nWhat to do: " + hint
+    return ""
 
 
 def _finished_note(done: list[int]) -> str:
