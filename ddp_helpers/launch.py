@@ -24,7 +24,7 @@ import time
 import torch.multiprocessing as tmp
 
 from ._rank import RankSpec, rank_entry
-from .errors import LaunchError, LaunchTimeout, RankDied, RankRaised
+from .errors import LaunchError, LaunchRefused, LaunchTimeout, RankDied, RankRaised
 from .launch_checks import check_launch, check_port_free
 from .relay import OutputRelay
 
@@ -44,7 +44,10 @@ def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
     if backend is not None:
         from .runtime import choose_backend  # late: runtime is rank-side code
 
-        chosen = choose_backend(backend, nprocs)[0]  # refuses nccl without GPUs, before starting
+        try:  # refuses an unknown backend, or nccl without GPUs, before starting anything
+            chosen = choose_backend(backend, nprocs)[0]
+        except ValueError as e:
+            raise LaunchRefused(f"{e} Nothing was started.") from e
         if backend != "auto":
             extra_env[_BACKEND_VAR] = chosen
     addr = "127.0.0.1"

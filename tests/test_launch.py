@@ -197,3 +197,30 @@ def test_backend_forced_through_launch(no_leftovers):
 def test_spawn_start_method_still_works(no_leftovers):
     assert dh.launch(rank_fns.rank_times_ten, nprocs=2, timeout=120,
                      start_method="spawn") == [0, 10]
+
+
+def test_refuses_a_closure_and_a_method_of_a_notebook_class():
+    def make(offset):
+        def closure(rank):
+            return rank + offset
+        return closure
+
+    with pytest.raises(dh.LaunchRefused, match="nested function or closure"):
+        dh.launch(make(1), nprocs=2, timeout=10)
+    namespace = {"__name__": "__main__"}
+    exec("class Trainer:\n    def step(self, rank):\n        return rank\n", namespace)
+    with pytest.raises(dh.LaunchRefused, match=r"Trainer.step is defined in the notebook"):
+        dh.launch(namespace["Trainer"]().step, nprocs=2, timeout=10)
+
+
+def test_refuses_an_argument_whose_class_lives_in_the_notebook(monkeypatch):
+    namespace = {"__name__": "__main__"}
+    exec("class Config:\n    lr = 0.1\n", namespace)
+    monkeypatch.setattr(sys.modules["__main__"], "Config", namespace["Config"], raising=False)
+    with pytest.raises(dh.LaunchRefused, match=r"args\[0\] \(a Config\) refers to __main__.Config"):
+        dh.launch(rank_fns.rank_times_ten, args=(namespace["Config"](),), nprocs=2, timeout=10)
+
+
+def test_refuses_an_unknown_backend_before_starting():
+    with pytest.raises(dh.LaunchRefused, match=r"unknown backend 'ncl'.*Nothing was started"):
+        dh.launch(rank_fns.backend_seen, args=(2,), nprocs=2, timeout=10, backend="ncl")
