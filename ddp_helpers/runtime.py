@@ -72,6 +72,9 @@ def process_group(rank: int | None = None, world_size: int | None = None, backen
         device = torch.device("cuda", local_rank % gpu_count())
         # Before init: otherwise NCCL's first barrier puts every rank's context on GPU 0.
         torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: N CPU ranks each using every core would oversubscribe the machine.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if verbose and rank == 0:
         print(f"process group: {name} on {device.type}, {world_size} ranks ({why})", flush=True)
     dist.init_process_group(name, init_method=init_method, rank=rank, world_size=world_size,

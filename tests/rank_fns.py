@@ -111,3 +111,8 @@ def rank_zero_first_order(rank, world_size):
 def current_cuda_device(rank, world_size):
     with dh.process_group(rank, world_size, verbose=False):
         return torch.cuda.current_device()
+
+
+def threads_in_group(rank, world_size):
+    with dh.process_group(rank, world_size, verbose=False):
+        return torch.get_num_threads()

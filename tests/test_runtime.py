@@ -1,5 +1,7 @@
 """dh.process_group and the backend choice: real gloo groups on loopback; GPU cases skip here."""
 
+import os
+
 import pytest
 import rank_fns
 
@@ -68,3 +70,11 @@ def test_each_rank_is_set_to_its_own_gpu(no_leftovers):
 def test_one_gpu_two_ranks_shares_it_over_gloo(no_leftovers):
     assert dh.choose_backend("auto", 2)[:2] == ("gloo", "cuda")
     assert dh.launch(rank_fns.backend_seen, args=(2,), nprocs=2, timeout=120) == ["gloo"] * 2
+
+
+def test_cpu_ranks_split_the_cores_between_them(monkeypatch, no_leftovers):
+    if dh.gpu_count():
+        pytest.skip("GPU ranks keep torch's default threads")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    expected = max(1, (os.cpu_count() or 1) // 2)
+    assert dh.launch(rank_fns.threads_in_group, args=(2,), nprocs=2, timeout=60) == [expected] * 2
