@@ -116,3 +116,8 @@ def current_cuda_device(rank, world_size):
 def threads_in_group(rank, world_size):
     with dh.process_group(rank, world_size, verbose=False):
         return torch.get_num_threads()
+
+
+def print_pid_then_sleep(rank):
+    print(f"pid {os.getpid()}", flush=True)
+    time.sleep(600)

@@ -224,3 +224,30 @@ def test_refuses_an_argument_whose_class_lives_in_the_notebook(monkeypatch):
 def test_refuses_an_unknown_backend_before_starting():
     with pytest.raises(dh.LaunchRefused, match=r"unknown backend 'ncl'.*Nothing was started"):
         dh.launch(rank_fns.backend_seen, args=(2,), nprocs=2, timeout=10, backend="ncl")
+
+
+def test_ranks_die_with_a_killed_kernel(tmp_path):
+    """A kernel killed outright (no clean-up code runs) takes its ranks with it."""
+    import subprocess
+
+    import psutil
+
+    script = ("import ddp_helpers as dh, rank_fns\n"
+              "dh.launch(rank_fns.print_pid_then_sleep, nprocs=2, timeout=600)\n")
+    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(rank_fns.__file__))
+    pids = []
+    while len(pids) < 2:
+        line = kernel.stdout.readline()
+        assert line, "the launching process ended before its ranks started"
+        if "pid " in line:
+            pids.append(int(line.rsplit("pid ", 1)[1]))
+    kernel.kill()
+    kernel.wait()
+    deadline = time.monotonic() + 10
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    assert alive == [], f"ranks {alive} outlived their killed parent"
