@@ -42,6 +42,7 @@ def rank_entry(rank: int, specs: list[RankSpec]) -> None:
     os.environ.clear()
     os.environ.update(spec.env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    _reread_torch_env()
     sys.path[:] = spec.sys_path
     os.chdir(spec.cwd)
     _watch_lifeline(spec.lifeline)
@@ -55,6 +56,15 @@ def rank_entry(rank: int, specs: list[RankSpec]) -> None:
         raise  # torch's _wrap records it too and exits with status 1
     _flush()
     spec.result.send_bytes(message)
+
+
+def _reread_torch_env() -> None:
+    """torch.distributed read TORCH_DISTRIBUTED_DEBUG when the start server imported it, before
+    this rank's environment existed: read it again so env={...} given to launch takes effect."""
+    import torch.distributed as dist
+
+    if dist.is_available():
+        dist.set_debug_level_from_env()
 
 
 def _redirect(spec: RankSpec) -> None:

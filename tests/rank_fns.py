@@ -121,3 +121,7 @@ def threads_in_group(rank, world_size):
 def print_pid_then_sleep(rank):
     print(f"pid {os.getpid()}", flush=True)
     time.sleep(600)
+
+
+def debug_level(rank):
+    return str(dist.get_debug_level())

@@ -251,3 +251,11 @@ def test_ranks_die_with_a_killed_kernel(tmp_path):
                  and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.1)
     assert alive == [], f"ranks {alive} outlived their killed parent"
+
+
+def test_env_reaches_the_ranks_including_torch_distributed_debug(no_leftovers):
+    levels = dh.launch(rank_fns.debug_level, nprocs=2, timeout=60,
+                       env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert all(level.endswith("DETAIL") for level in levels), levels
+    assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ or os.environ[
+        "TORCH_DISTRIBUTED_DEBUG"] != "DETAIL"
