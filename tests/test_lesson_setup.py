@@ -1,0 +1,77 @@
+"""Lesson 00: the machine report, the kit's choice, the two-rank all-reduce and the summary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddp_helpers as dh
+from ddp_helpers.lessons import setup_check
+from ddp_helpers.solutions import sum_of_squares
+
+
+@pytest.fixture(scope="module")
+def report():
+    return setup_check.collect_report(nprocs=2)
+
+
+def test_report_has_every_section(report):
+    assert set(report) == {"versions", "cpu", "gpus", "backends", "choice"}
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["backends"]["gloo"] is True  # every lesson depends on it
+    assert report["cpu"]["logical cores"] >= 1
+    assert len(report["gpus"]) == dh.gpu_count()
+
+
+def test_choice_matches_choose_backend(report):
+    backend, device, why = dh.choose_backend("auto", 2)
+    assert report["choice"] == {"nprocs": 2, "backend": backend, "device": device, "why": why}
+
+
+@pytest.mark.skipif(dh.gpu_count() > 0, reason="checks the CPU-only answer")
+def test_choice_without_gpus_is_gloo_on_cpu(report):
+    assert (report["choice"]["backend"], report["choice"]["device"]) == ("gloo", "cpu")
+
+
+def test_print_section_aligns_names(report, capsys):
+    setup_check.print_section(report, "backends")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["gloo", "available"]
+    assert [line.split()[0] for line in lines] == ["gloo", "nccl", "mpi"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_leaves_the_sum_on_every_rank(world_size):
+    results = dh.launch(setup_check.two_rank_all_reduce, args=(world_size,), nprocs=world_size,
+                        output="none")
+    want = setup_check.expected_sum(world_size)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    for r in results:
+        assert r["result"].tolist() == [want] * 3
+
+
+def test_summary_and_verdict_pass_after_a_good_run(report):
+    results = dh.launch(setup_check.two_rank_all_reduce, args=(2,), nprocs=2, output="none")
+    text = setup_check.summary(report, results)
+    assert text.startswith("--- ddp_helpers setup check ---")
+    assert f"torch: {torch.__version__}" in text
+    assert "PASS  two-rank all_reduce  (every rank holds 3)" in text
+    assert setup_check.verdict(report, results).startswith("all 7 checks passed")
+
+
+def test_verdict_names_the_failed_check(report):
+    wrong = [{"rank": r, "result": torch.tensor([2.0, 2.0, 2.0])} for r in range(2)]
+    assert "FAIL  two-rank all_reduce  (expected 3, got" in setup_check.summary(report, wrong)
+    assert setup_check.verdict(report, wrong).startswith("1 of 7 checks failed: two-rank")
+    assert "not run yet" in setup_check.summary(report, None)
+
+
+def test_version_parsing_ignores_local_suffixes():
+    assert setup_check._version_tuple("2.14.1+cu130") == (2, 14)
+    assert setup_check._version_tuple("2.5.0a0+git123") == (2, 5)
+    assert setup_check._version_tuple("2.4.0") >= setup_check.MIN_TORCH
+
+
+def test_sum_of_squares_solution():
+    got = dh.launch(sum_of_squares.sum_of_squares, args=(3,), nprocs=3, output="none")
+    assert got == [14.0, 14.0, 14.0]
