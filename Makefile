@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-NBVAL := --nbval --nbval-current-env --sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
+NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
 
 .PHONY: run test test-fast notebooks lab bench soak clean
 

@@ -6,6 +6,7 @@ imported here is imported once per kernel, and a learner's edits to it would not
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import signal
@@ -24,6 +25,7 @@ class RankSpec:
     env: dict[str, str]  # the parent's os.environ at launch time plus the rendezvous variables
     sys_path: list[str]
     cwd: str
+    start_method: str | None  # the caller's multiprocessing default, for the rank's own children
     out: Any  # multiprocessing Connection (write end) that becomes fd 1
     err: Any  # ... and fd 2
     result: Any  # framed pickles back to the parent: ("ok", value) or ("error", ...)
@@ -43,6 +45,9 @@ def rank_entry(rank: int, specs: list[RankSpec]) -> None:
     os.environ.update(spec.env)
     os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
     _reread_torch_env()
+    # A forkserver child inherits "forkserver" as its default start method; DataLoader workers
+    # would then wait seconds for a new server. Give the rank the caller's default instead.
+    multiprocessing.set_start_method(spec.start_method, force=True)
     sys.path[:] = spec.sys_path
     os.chdir(spec.cwd)
     _watch_lifeline(spec.lifeline)

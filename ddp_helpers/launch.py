@@ -11,6 +11,7 @@ a rank blocked in a collective must be stopped at once, and output must be relay
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import multiprocessing
 import multiprocessing.connection
@@ -54,7 +55,8 @@ def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
     if master_port is not None:
         check_port_free(addr, master_port)
     port = master_port or free_port(addr)
-    rendezvous = {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs)}
+    rendezvous = {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs),
+                  "LOCAL_WORLD_SIZE": str(nprocs)}
     run = _Run(nprocs, output, start_method)
     return run.execute(payload, {**os.environ, **extra_env, **rendezvous}, timeout)
 
@@ -99,8 +101,10 @@ class _Run:
         _prepare_start_server(self.start_method)
         parent_ends, child_specs, lifeline_w = self._pipes(payload, env)
         try:
-            self.context = tmp.start_processes(rank_entry, args=(child_specs,), nprocs=self.nprocs,
-                                               join=False, start_method=self.start_method)
+            with _inherited_env(env if self.start_method == "spawn" else None):
+                self.context = tmp.start_processes(rank_entry, args=(child_specs,),
+                                                   nprocs=self.nprocs, join=False,
+                                                   start_method=self.start_method)
             for spec in child_specs:  # the ranks hold these now; our copies would hide EOF
                 for conn in (spec.out, spec.err, spec.result, spec.lifeline):
                     conn.close()
@@ -128,7 +132,9 @@ class _Run:
             res_r, res_w = self.ctx.Pipe(duplex=False)
             parent_ends.update({out_r: ("out", rank), err_r: ("err", rank), res_r: ("res", rank)})
             specs.append(RankSpec(payload=payload, env=env, sys_path=list(sys.path),
-                                  cwd=os.getcwd(), out=out_w, err=err_w, result=res_w,
+                                  cwd=os.getcwd(),
+                                  start_method=multiprocessing.get_start_method(allow_none=True),
+                                  out=out_w, err=err_w, result=res_w,
                                   lifeline=lifeline_r))
         return parent_ends, specs, lifeline_w
 
@@ -278,6 +284,23 @@ class _Run:
                 os.unlink(path)
             except (FileNotFoundError, TypeError):
                 pass
+
+
+@contextlib.contextmanager
+def _inherited_env(env: dict | None):
+    """With spawn, each rank's interpreter imports torch before rank_entry runs, so variables
+    torch reads at import (TORCH_CPP_LOG_LEVEL) must be in the environment it is started with.
+    Set them only while the ranks start, then restore the caller's environment exactly."""
+    if env is None:
+        yield
+        return
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _read_some(conn) -> bytes:

@@ -262,11 +262,16 @@ class LabNotebook:
         self.artifacts = artifacts
         self.cells = nbformat.read(server.root / name, as_version=4).cells
         self.panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+        self.console: list[str] = []  # the page's console errors and warnings, for the artifacts
+        page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}")
+                if m.type in ("error", "warning") else None)
+        page.on("pageerror", lambda e: self.console.append(f"uncaught: {e}"))
 
     def open(self, timeout: float = 180) -> None:
         """Open the notebook in the lab and wait for its kernel to be idle."""
-        self.page.goto(self.server.url(f"lab/tree/{self.name}"), wait_until="domcontentloaded",
-                       timeout=timeout * 1000)
+        # A workspace per notebook: the lab does not reopen the previous test's notebook.
+        self.page.goto(self.server.url(f"lab/workspaces/{self.stem}/tree/{self.name}"),
+                       wait_until="domcontentloaded", timeout=timeout * 1000)
         self.panel.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=timeout * 1000)
         poll(f"{self.name}: the kernel to start and go idle",
              lambda: self.server.kernel_state(self.name) == "idle", timeout)
@@ -281,7 +286,7 @@ class LabNotebook:
         """Run > Run All Cells, through the menu bar, as a learner does."""
         self.panel.locator(".jp-Notebook").click(position={"x": 5, "y": 5})  # focus this one
         self.page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-        item = self.page.locator('.lm-Menu-item[data-command="notebook:run-all-cells"]')
+        item = self.page.locator('.lm-Menu-item:has(.lm-Menu-itemLabel:text-is("Run All Cells"))')
         item.wait_for(state="visible", timeout=30_000)
         item.click()
 
@@ -350,6 +355,72 @@ class LabNotebook:
         imgs = self.panel.locator(".jp-OutputArea-output img")
         return [imgs.nth(k) for k in range(imgs.count())
                 if imgs.nth(k).evaluate("e => e.complete && e.naturalWidth > 0")]
+
+    def shut_down_kernel(self) -> None:
+        """Stop this notebook's kernel (and so its ranks): the next notebook gets the cores."""
+        for s in self.server.api("sessions"):
+            if s.get("path") == self.name:
+                self.server.api(f"sessions/{s['id']}", method="DELETE", timeout=60)
+
+    # The interactive panel: a container with class dh-panel, drawing into dh-panel-output.
+    def panel_widget(self, description: str):
+        """The panel's control whose description matches `description` (case-insensitive)."""
+        label = self.page.locator("label.widget-label, .widget-label-basic span").filter(
+            has_text=re.compile(rf"^\s*{re.escape(description)}", re.I))
+        return self.panel.locator(".dh-panel .widget-inline-hbox").filter(has=label).first
+
+    def widget_panel(self, timeout: float = 60):
+        """The rendered ipywidgets panel (class dh-panel); LabError saying what shows instead."""
+        panel = self.panel.locator(".dh-panel").first
+        try:
+            poll(f"{self.name}: the ipywidgets panel", panel.is_visible, timeout)
+        except LabError:
+            shown = [t[:150] for t in self.panel.locator(".jp-OutputArea-output").all_inner_texts()
+                     if "Box(children=" in t or any(bad in t for bad in WIDGET_FAILURES)]
+            raise LabError(f"{self.name}: the ipywidgets panel (class dh-panel) did not render "
+                           f"within {timeout:.0f} s; in its place: {shown or 'nothing'}. Is the "
+                           "@jupyter-widgets/jupyterlab-manager extension installed and enabled?"
+                           ) from None
+        return panel
+
+    def panel_images(self) -> list[str]:
+        """src of every image the panel's output shows (data: or blob: URLs)."""
+        imgs = self.panel.locator(".dh-panel-output img, img.dh-panel-output")
+        return [imgs.nth(k).get_attribute("src") or "" for k in range(imgs.count())]
+
+    def nudge_slider(self, description: str) -> tuple[float, float]:
+        """Move a panel slider one step with the keyboard (down unless at its minimum), as a
+        learner using the arrow keys does; return (value before, value after)."""
+        handle = self.panel_widget(description).locator(".noUi-handle")
+        handle.wait_for(state="visible", timeout=30_000)
+        before = float(handle.get_attribute("aria-valuenow"))
+        low = float(handle.get_attribute("aria-valuemin"))
+        handle.focus()
+        handle.press("ArrowLeft" if before > low else "ArrowRight")
+        moved = poll(f"slider {description!r} to move from {before:g}",
+                     lambda: [v for v in [float(handle.get_attribute("aria-valuenow"))]
+                              if v != before], 10)
+        return before, moved[0]
+
+    def wait_for_redraw(self, old: list[str], timeout: float = 600) -> list[str]:
+        """Wait until the panel shows different images than `old` and the kernel is idle."""
+        calm = [0]
+
+        def redrawn():
+            now = self.panel_images()
+            changed = bool(now) and all(now) and now != old
+            idle = self.server.kernel_state(self.name) == "idle"
+            calm[0] = calm[0] + 1 if changed and idle else 0
+            return now if calm[0] >= 3 else None
+
+        return poll(f"{self.name}: the panel to rerun and redraw its plot", redrawn, timeout, 1.0)
+
+    def save_console(self) -> Path:
+        """Write the page's console errors and warnings next to the screenshots."""
+        self.artifacts.mkdir(parents=True, exist_ok=True)
+        path = self.artifacts / f"{self.stem}-console.log"
+        path.write_text("\n".join(self.console) + "\n")
+        return path
 
     def screenshot(self, label: str, locator=None) -> Path:
         """Save a PNG of the page (or of one element) under the artifacts directory."""

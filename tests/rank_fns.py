@@ -125,3 +125,16 @@ def print_pid_then_sleep(rank):
 
 def debug_level(rank):
     return str(dist.get_debug_level())
+
+
+def start_method_and_local_world(rank):
+    import multiprocessing
+
+    return multiprocessing.get_start_method(), os.environ["LOCAL_WORLD_SIZE"]
+
+
+
+def env_at_process_start(rank):
+    """The environment the process was started with (what torch saw when it was imported)."""
+    with open("/proc/self/environ", "rb") as f:
+        return b"DH_TEST_AT_START=1" in f.read().split(b"\0")

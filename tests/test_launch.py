@@ -259,3 +259,19 @@ def test_env_reaches_the_ranks_including_torch_distributed_debug(no_leftovers):
     assert all(level.endswith("DETAIL") for level in levels), levels
     assert "TORCH_DISTRIBUTED_DEBUG" not in os.environ or os.environ[
         "TORCH_DISTRIBUTED_DEBUG"] != "DETAIL"
+
+
+def test_ranks_get_the_callers_start_method_and_local_world_size(no_leftovers):
+    import multiprocessing
+
+    expected = multiprocessing.get_start_method()
+    assert dh.launch(rank_fns.start_method_and_local_world, nprocs=2,
+                     timeout=60) == [(expected, "2")] * 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="needs Linux /proc")
+def test_spawned_ranks_start_with_env_so_import_time_variables_work(no_leftovers):
+    before = dict(os.environ)
+    assert dh.launch(rank_fns.env_at_process_start, nprocs=2, timeout=120, start_method="spawn",
+                     env={"DH_TEST_AT_START": "1"}) == [True, True]
+    assert dict(os.environ) == before

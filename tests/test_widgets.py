@@ -58,6 +58,8 @@ def test_panel_runs_its_default_and_draws(source, no_leftovers):
     assert image_of(panel)
     assert "dh-panel" in panel.widget._dom_classes
     assert "dh-panel-output" in panel.output._dom_classes
+    assert "dh-panel-world-size" in panel.controls["world size"]._dom_classes
+    assert panel.status.value.startswith("run 1: 2 rank(s)")
     assert not any(c.disabled for c in panel.controls.values())  # enabled again after the run
 
 

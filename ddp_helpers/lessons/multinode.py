@@ -1,0 +1,264 @@
+"""Lesson 08's training function: one function that runs unchanged under dh.launch, under
+`torchrun --nproc-per-node 2`, and as two torchrun "nodes" that meet through c10d rendezvous.
+
+It writes what it did to files instead of only returning it, because torchrun's workers have no
+parent to return to: per-rank JSON Lines records (one line per step) and an atomic checkpoint
+every `ckpt_every` steps, from which a restarted group resumes. The data order is a function of
+(seed, step) alone, so a resumed run sees exactly the batches the interrupted one would have.
+
+    python -m ddp_helpers.lessons.multinode --out DIR --steps 30     # what torchrun starts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ddp_helpers.runtime import process_group
+
+N_SAMPLES, N_FEATURES, N_CLASSES = 1024, 8, 4
+GLOBAL_BATCH = 64  # split evenly over the ranks, so 1, 2 or 4 ranks take the same steps
+CHECKPOINT = "checkpoint.pt"
+FINAL = "final.pt"
+
+# ---------------------------------------------------------------- data, model, data order
+
+
+def make_dataset(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed synthetic classification set: 1024 points in 8-D, 4 classes from a random teacher."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_SAMPLES, N_FEATURES, generator=g)
+    teacher = torch.randn(N_FEATURES, N_CLASSES, generator=g)
+    y = (x @ teacher + 0.5 * torch.randn(N_SAMPLES, N_CLASSES, generator=g)).argmax(dim=1)
+    return x, y
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """A tiny MLP, initialised from the seed: the same weights on every rank and every run."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(N_FEATURES, 32), nn.ReLU(), nn.Linear(32, N_CLASSES))
+
+
+def batch_indices(step: int, rank: int, world_size: int, seed: int = 0) -> torch.Tensor:
+    """The sample indices rank `rank` trains on at `step` (1-based): a function of the step only."""
+    per_epoch = N_SAMPLES // GLOBAL_BATCH
+    epoch, b = divmod(step - 1, per_epoch)
+    # A fresh generator per epoch instead of one running RNG: nothing to save in the checkpoint,
+    # and a run resumed at any step draws the same permutation.
+    perm = torch.randperm(N_SAMPLES, generator=torch.Generator().manual_seed(seed + epoch))
+    batch = perm[b * GLOBAL_BATCH:(b + 1) * GLOBAL_BATCH]
+    return batch[rank::world_size]  # interleaved, like DistributedSampler: disjoint shards
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
+    """Write a checkpoint atomically: a temporary file in the same directory, then os.replace."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    # A kill at any moment leaves either the old checkpoint or the new one, never half of one.
+    os.replace(tmp, path)
+
+
+def load_checkpoint(out_dir: str | os.PathLike) -> dict | None:
+    """The last checkpoint in out_dir, or None when there is none yet."""
+    path = Path(out_dir) / CHECKPOINT
+    if not path.exists():
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------- the training function
+
+
+def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every: int = 5,
+          fault_step: int | None = None, fault_rank: int = 1, seed: int = 0,
+          backend: str = "auto") -> dict:
+    """Train the tiny MLP with DDP for `steps` steps, resuming from out_dir's checkpoint if any."""
+    if fault_step is not None and not 1 <= fault_step <= steps:
+        raise ValueError(f"rank {rank}: fault_step={fault_step} is outside steps 1..{steps}; "
+                         "pick a step inside the run, or None for no fault.")
+    torch.set_num_threads(1)  # same arithmetic under every launcher (torchrun sets 1 thread too)
+    # torchrun counts the group's restarts; under dh.launch there are none, so attempt 0.
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    out = Path(out_dir)
+    (out / "records").mkdir(parents=True, exist_ok=True)
+    with process_group(rank, world_size, backend=backend, verbose=False) as device:
+        x, y = make_dataset(seed)
+        model = make_model(seed).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        # Every rank loads the checkpoint itself: the optimizer's momentum is per rank, and DDP
+        # only broadcasts parameters. Loading before DDP's first broadcast keeps ranks in step.
+        ckpt = load_checkpoint(out)
+        start = 0
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+            start = ckpt["step"]
+        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        if rank == 0:
+            _say_where_we_start(out, attempt, start, ckpt_every)
+        losses = []
+        with open(out / "records" / f"rank{rank}.attempt{attempt}.jsonl", "w") as log:
+            _write(log, {"event": "start", "rank": rank, "world_size": world_size,
+                         "attempt": attempt, "resumed_from": start,
+                         "group_rank": int(os.environ.get("GROUP_RANK", "0"))})
+            for step in range(start + 1, steps + 1):
+                if step == fault_step and attempt == 0:
+                    _fail(rank, fault_rank, step)
+                idx = batch_indices(step, rank, world_size, seed)
+                loss = nn.functional.cross_entropy(ddp(x[idx].to(device)), y[idx].to(device))
+                opt.zero_grad()
+                loss.backward()  # DDP averages the gradients over the ranks here
+                opt.step()
+                losses.append(loss.item())
+                _write(log, {"event": "step", "step": step, "loss": losses[-1]})
+                if rank == 0 and (step % ckpt_every == 0 or step == steps):
+                    save_checkpoint({"step": step, "model": model.state_dict(),
+                                     "optimizer": opt.state_dict()}, out / CHECKPOINT)
+        params = flat_params(model)
+        if rank == 0:
+            save_checkpoint({"step": steps, "params": params}, out / FINAL)
+        return {"rank": rank, "attempt": attempt, "resumed_from": start, "losses": losses,
+                "params": params}
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    """All parameters of a model as one flat CPU tensor (for comparing runs)."""
+    return torch.cat([p.detach().cpu().flatten() for p in model.parameters()])
+
+
+def _write(log, record: dict) -> None:
+    # One line per step, flushed: a rank killed mid-run keeps every line it wrote before.
+    log.write(json.dumps(record) + "\n")
+    log.flush()
+
+
+def _say_where_we_start(out: Path, attempt: int, start: int, ckpt_every: int) -> None:
+    if start == 0:
+        print(f"attempt {attempt}: starting from step 0 (no checkpoint)", flush=True)
+        return
+    before = _last_step(out / "records" / f"rank0.attempt{attempt - 1}.jsonl")
+    redone = max(0, before - start)
+    print(f"attempt {attempt}: resumed from the checkpoint of step {start}; the last attempt "
+          f"reached step {before}, so {redone} step(s) are redone (checkpoint interval "
+          f"{ckpt_every})", flush=True)
+
+
+def _fail(rank: int, fault_rank: int, step: int) -> None:
+    # The barrier makes the lesson's numbers reproducible: every rank has finished step - 1
+    # (and written its record) before the kill, however the two cores are scheduled.
+    dist.barrier()
+    if rank == fault_rank:
+        print(f"rank {rank}: killed with SIGKILL at step {step} (attempt 0)", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # like a crash or an OOM kill: no clean-up runs
+
+
+def _last_step(path: Path) -> int:
+    if not path.exists():
+        return 0
+    steps = [r["step"] for r in map(json.loads, path.read_text().splitlines())
+             if r.get("event") == "step"]
+    return max(steps, default=0)
+
+
+# ---------------------------------------------------------------- parent side: read the files
+
+
+def collect(out_dir: str | os.PathLike) -> list[dict]:
+    """Every rank's records of every attempt, sorted by (attempt, rank)."""
+    records = []
+    for path in sorted(Path(out_dir, "records").glob("rank*.attempt*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        start = next(r for r in lines if r["event"] == "start")
+        steps = [r for r in lines if r["event"] == "step"]
+        records.append({**{k: v for k, v in start.items() if k != "event"},
+                        "steps": [r["step"] for r in steps],
+                        "loss": [r["loss"] for r in steps]})
+    if not records:
+        raise FileNotFoundError(f"no records under {out_dir}/records: did the run start? Look at "
+                                "its output (torchrun prints each worker's error).")
+    return sorted(records, key=lambda r: (r["attempt"], r["rank"]))
+
+
+def loss_by_rank(records: list[dict]) -> dict[int, list[float]]:
+    """Each rank's loss per step, the latest attempt winning where a step was redone."""
+    by_rank: dict[int, dict[int, float]] = {}
+    for rec in sorted(records, key=lambda r: r["attempt"]):
+        by_rank.setdefault(rec["rank"], {}).update(zip(rec["steps"], rec["loss"]))
+    return {r: [d[s] for s in sorted(d)] for r, d in sorted(by_rank.items())}
+
+
+def restart_summary(records: list[dict]) -> dict:
+    """Per attempt: the step it resumed from and the last step it reached; and the steps redone."""
+    attempts = {}
+    for rec in records:
+        a = attempts.setdefault(rec["attempt"], {"resumed_from": rec["resumed_from"],
+                                                 "last_step": 0})
+        a["last_step"] = max([a["last_step"], *rec["steps"]])
+    redone = sum(max(0, attempts[a - 1]["last_step"] - attempts[a]["resumed_from"])
+                 for a in attempts if a > 0)
+    return {"attempts": attempts, "steps_redone": redone}
+
+
+def final_params(out_dir: str | os.PathLike) -> torch.Tensor:
+    """The flat parameters rank 0 saved at the end of a run."""
+    return torch.load(Path(out_dir) / FINAL, map_location="cpu", weights_only=True)["params"]
+
+
+def fresh_dir(path: str | os.PathLike) -> str:
+    """An empty directory at path (a run resumes from whatever checkpoint it finds there)."""
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+    Path(path).mkdir(parents=True)
+    return str(path)
+
+
+# ---------------------------------------------------------------- the command line torchrun runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for torchrun: rank and world size come from the environment it sets."""
+    p = argparse.ArgumentParser(prog="python -m ddp_helpers.lessons.multinode",
+                                description="Lesson 08's training run; start it with torchrun.")
+    p.add_argument("--out", required=True, help="directory for records and checkpoints")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--fault-step", type=int, default=None,
+                   help="on the first attempt, kill --fault-rank with SIGKILL at this step")
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="auto")
+    args = p.parse_args(argv)
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if missing:
+        p.error(f"{', '.join(missing)} not set: this module is what each worker runs. Start it "
+                "with `torchrun --nproc-per-node 2 -m ddp_helpers.lessons.multinode --out DIR`, "
+                "or call train() through ddp_helpers.launch.")
+    train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.out, args.steps,
+          args.ckpt_every, args.fault_step, args.fault_rank, args.seed, args.backend)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Figures for lesson 06 (and the panels of 05 and 06), drawn in the parent from rank records."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..lessons import grad_sync as gs
+from .common import new_axes, rank_color
+
+_STYLES = ["-", "--", ":", "-."]  # ranks whose lines coincide stay visible, one dash each
+_MODE_COLORS = ["tab:red", "tab:purple", "tab:green", "tab:brown"]  # one per sync mode
+
+
+def _smooth(values, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, moving average): steps start at 1 and the average is aligned to its last step."""
+    v = np.asarray(values, dtype=float)
+    window = max(1, min(window, len(v)))
+    smooth = np.convolve(v, np.ones(window) / window, mode="valid")
+    return np.arange(window, len(v) + 1), smooth
+
+
+def loss_and_distance_plot(results: list[dict], title: str | None = None, window: int = 10):
+    """Left: each rank's loss per step; right: how far the ranks' parameters are apart."""
+    fig, axes = new_axes(ncols=2, width=5.2, height=3.4)
+    ax_loss, ax_gap = axes[0]
+    for r in results:
+        steps, smooth = _smooth(r["loss"], window)
+        ax_loss.plot(steps, smooth, color=rank_color(r["rank"]), ls=_STYLES[r["rank"] % 4],
+                     label=f"rank {r['rank']} (acc {r['accuracy']:.3f})")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel(f"loss on own batch ({window}-step mean)")
+    ax_loss.set_title("Loss per rank")
+    ax_loss.legend(loc="upper right")
+    gap = gs.param_distance(results).numpy()
+    if len(results) > 1:
+        ax_gap.plot(np.arange(len(gap)), gap, color=rank_color(1),
+                    label="largest ||params(rank r) - params(rank 0)||")
+        ax_gap.set_ylim(0, max(1.15 * float(gap.max()), 0.01))
+        if gap.max() == 0:
+            ax_gap.text(0.5, 0.5, "exactly 0 at every step", ha="center", va="bottom",
+                        transform=ax_gap.transAxes, color=rank_color(1))
+        ax_gap.legend(loc="upper left")
+    else:
+        ax_gap.text(0.5, 0.5, "one rank: nothing to compare", ha="center", va="center",
+                    transform=ax_gap.transAxes)
+    ax_gap.set_xlabel("step")
+    ax_gap.set_ylabel("L2 distance")
+    ax_gap.set_title("Distance between the ranks' parameters")
+    first = results[0]
+    sync = {"ddp": "sync on (DDP)", "none": "sync off",
+            "average": f"average every {first['every']}"}
+    fig.suptitle(title or f"{first['world_size']} rank(s), {sync[first['sync']]}, "
+                 f"lr {first['lr']:g}, batch {first['batch_size']} per rank")
+    fig.tight_layout()
+    return fig
+
+
+def sync_modes_plot(runs: dict[str, list[dict]], window: int = 10):
+    """For each way of syncing: the ranks' parameter distance (left) and mean loss (right)."""
+    fig, axes = new_axes(ncols=2, width=5.2, height=3.4)
+    ax_gap, ax_loss = axes[0]
+    for i, (label, results) in enumerate(runs.items()):
+        color = _MODE_COLORS[i % len(_MODE_COLORS)]
+        gap = gs.param_distance(results).numpy()
+        ax_gap.plot(np.arange(len(gap)), gap, color=color, ls=_STYLES[i % 4], label=label)
+        steps, smooth = _smooth(gs.mean_loss(results), window)
+        acc = np.mean([r["accuracy"] for r in results])
+        ax_loss.plot(steps, smooth, color=color, ls=_STYLES[i % 4],
+                     label=f"{label} (mean acc {acc:.3f})")
+    ax_gap.set_xlabel("step")
+    ax_gap.set_ylabel("L2 distance, rank 1 to rank 0")
+    ax_gap.set_title("How far the ranks drift apart")
+    ax_gap.legend(loc="upper left")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel(f"loss, mean of the ranks ({window}-step mean)")
+    ax_loss.set_title("Training loss")
+    ax_loss.legend(loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def lr_scaling_plot(runs: list[tuple[int, str, list[dict]]], window: int = 10):
+    """Mean loss against samples processed by all ranks together, per world size and lr rule."""
+    fig, axes = new_axes(width=7.0, height=3.8)
+    ax = axes[0][0]
+    for n, rule, results in runs:
+        loss = gs.mean_loss(results)
+        steps, smooth = _smooth(loss, max(1, window // n))
+        seen = steps * results[0]["batch_size"] * n
+        ax.plot(seen, smooth, color=rank_color(n - 1), ls="-" if rule == "scaled" else "--",
+                label=f"{n} rank(s), lr {results[0]['lr']:g} ({rule}), "
+                      f"acc {results[0]['accuracy']:.3f}")
+    ax.set_xlabel("samples processed, all ranks together")
+    ax.set_ylabel("loss (mean of the ranks, smoothed)")
+    ax.set_title("Same data, more ranks: keep the rate, or scale it with the batch")
+    ax.legend(loc="upper right", fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def allreduce_cost_plot(measured: list[list[dict]], fit: tuple[float, float],
+                        names: list[str] | None = None):
+    """Measured all-reduce seconds against bytes per world size, with alpha + 2(N-1)/N bytes/B."""
+    alpha, bandwidth = fit
+    fig, axes = new_axes(width=7.0, height=3.8)
+    ax = axes[0][0]
+    for results in measured:
+        r0 = results[0]
+        n = r0["world_size"]
+        nbytes = np.array(r0["numels"]) * 4
+        seconds = np.max([r["seconds"] for r in results], axis=0)  # the slowest rank decides
+        color = rank_color(n - 1)
+        ax.plot(nbytes, seconds * 1e3, "o", color=color, label=f"{n} ranks, measured")
+        grid = np.geomspace(nbytes.min(), nbytes.max(), 50)
+        model = [gs.alpha_beta_seconds(b, n, alpha, bandwidth) * 1e3 for b in grid]
+        ax.plot(grid, model, "-", color=color, alpha=0.7,
+                label=f"{n} ranks, model: alpha + {gs.ring_factor(n):.2g} x bytes / B")
+    if names:
+        for name, b in zip(names, nbytes):
+            ax.annotate(name, (b, ax.get_ylim()[0]), fontsize="x-small", rotation=90,
+                        va="bottom", ha="right", color="gray")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("gradient bytes all-reduced (float32)")
+    ax.set_ylabel("milliseconds per all-reduce")
+    ax.set_title(f"All-reduce cost as the model grows (fit: alpha {alpha * 1e6:.0f} us, "
+                 f"B {bandwidth / 1e9:.2g} GB/s)")
+    ax.legend(loc="upper left", fontsize="small")
+    fig.tight_layout()
+    return fig
