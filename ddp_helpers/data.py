@@ -101,6 +101,10 @@ def prepare_data(root: str | os.PathLike | None = None, download: bool | None = 
                  verbose: bool = True) -> DataSource:
     """Find MNIST, else download it (when allowed and reachable), else make the stand-in."""
     root = (Path(root) if root is not None else default_root()).resolve()
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(
+            f"data root {root} is a file, not a folder: MNIST goes in a folder of its own. Pass "
+            "a folder (--data-root DIR or data_root=...), or move that file away.")
     root.mkdir(parents=True, exist_ok=True)
     download = download_allowed() if download is None else download
     with _locked(root):  # two runs preparing at once (two torchrun nodes, two notebooks) wait

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({_DESCRIBE[args.variant]})", flush=True)
     try:  # once, here in the parent: the ranks only read what this leaves in data/
         source = data.prepare_data(args.data_root, download=False if args.no_download else None)
-    except data.MNISTFileError as e:
+    except (data.MNISTFileError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg = _config(args, source=source, checkpoint=str(out / "checkpoint.pt"))

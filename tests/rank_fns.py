@@ -138,3 +138,30 @@ def env_at_process_start(rank):
     """The environment the process was started with (what torch saw when it was imported)."""
     with open("/proc/self/environ", "rb") as f:
         return b"DH_TEST_AT_START=1" in f.read().split(b"\0")
+
+
+def save_twice_killed_mid_second_save(rank, world_size, path):
+    """Save a checkpoint, then die half-way through writing the next one."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ddp_helpers.lessons import mnist
+
+    with dh.process_group(rank, world_size, verbose=False):
+        model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+        with torch.no_grad():
+            model[1].bias.fill_(1.0)
+        ddp = DistributedDataParallel(model)
+        mnist.save_checkpoint(ddp, path, rank)
+        with torch.no_grad():
+            model[1].bias.fill_(2.0)
+        real_save = torch.save
+
+        def save_then_die(obj, f, *a, **kw):
+            real_save(obj, f, *a, **kw)
+            with open(f, "r+b") as fh:  # the new file exists, half-written
+                fh.truncate(100)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = save_then_die
+        mnist.save_checkpoint(ddp, path, rank)

@@ -9,6 +9,7 @@ records), `# FIX:` for a correction of the listing.
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,13 +145,25 @@ def save_checkpoint(model: DistributedDataParallel, path: str | os.PathLike, ran
     dist.barrier()
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be loaded: says which file and what to do."""
+
+
 def load_checkpoint(path: str | os.PathLike, model_name: str,
                     device: torch.device | str = "cpu") -> nn.Module:
     """A fresh model with the saved weights, mapped onto `device` (not the GPU that saved it)."""
     model = models.build_model(model_name)
     # map_location: saved from cuda:0, loaded on rank 1 would otherwise land on GPU 0 again.
-    state = torch.load(path, map_location=device, weights_only=True)
-    model.load_state_dict(state)
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        model.load_state_dict(state)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, KeyError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded as {model_name!r} weights ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). It is truncated, corrupt, or from "
+            "another model: point to another checkpoint, or delete it and train again "
+            "(the kit writes checkpoints atomically, so the last complete one is never "
+            "half-written).") from e
     return model.to(device)
 
 
