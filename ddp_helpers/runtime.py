@@ -21,6 +21,13 @@ def available_backends() -> list[str]:
     return [name for name, ok in checks.items() if dist.is_available() and ok()]
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def gpu_count() -> int:
     """Visible CUDA GPUs, counted without creating a CUDA context (safe in the parent)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -74,7 +81,7 @@ def process_group(rank: int | None = None, world_size: int | None = None, backen
         torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: N CPU ranks each using every core would oversubscribe the machine.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(max(1, usable_cores() // local_world))
     if verbose and rank == 0:
         print(f"process group: {name} on {device.type}, {world_size} ranks ({why})", flush=True)
     dist.init_process_group(name, init_method=init_method, rank=rank, world_size=world_size,

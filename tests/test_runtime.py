@@ -76,5 +76,5 @@ def test_cpu_ranks_split_the_cores_between_them(monkeypatch, no_leftovers):
     if dh.gpu_count():
         pytest.skip("GPU ranks keep torch's default threads")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    expected = max(1, (os.cpu_count() or 1) // 2)
+    expected = max(1, len(os.sched_getaffinity(0)) // 2)
     assert dh.launch(rank_fns.threads_in_group, args=(2,), nprocs=2, timeout=60) == [expected] * 2

@@ -89,8 +89,6 @@ def in_memory(rank: int, world_size: int, cfg: MnistConfig = MnistConfig()) -> d
     """The kit's fast path: the whole set as one tensor on the device, sharded like the sampler."""
     with dh.process_group(rank, world_size) as device:
         source = _data_source(cfg)
-        if device.type == "cpu":  # ranks share the cores: more threads than cores fight (~4x)
-            torch.set_num_threads(_cores_per_rank())
         torch.manual_seed(0)
         # No PIL images, no per-sample transforms, no worker processes: normalise all of it once.
         x, y = data.mnist_tensors(source, train=True, device=device)
@@ -179,13 +177,6 @@ def _data_source(cfg: MnistConfig) -> data.DataSource:
 
 def _subset(dataset, cfg: MnistConfig):
     return dataset if cfg.train_subset is None else Subset(dataset, range(cfg.train_subset))
-
-
-def _cores_per_rank() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # dh.launch runs every rank on this machine; torchrun says how many share it.
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
-    return max(1, (cores or 1) // int(local))
 
 
 def _ids(device: torch.device) -> list[int] | None:
