@@ -16,11 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 import ddp_helpers as dh
 from bench import fault_fns
 from bench.common import write_table
+from ddp_helpers.census import wait_for_no_descendants
 
 TWO_LAUNCHES = """
 import ddp_helpers as dh
@@ -56,36 +55,6 @@ class Outcome:
             return "(no error: both processes' launches succeeded)"
         first = (str(self.error).splitlines() or [""])[0]
         return first or type(self.error).__name__
-
-
-def rank_descendants() -> list[psutil.Process]:
-    """Live descendants of this process, minus multiprocessing's own servers (ranks are the
-    forkserver's children, so its descendants count)."""
-    found = []
-    for child in psutil.Process().children():
-        try:
-            cmd = " ".join(child.cmdline())
-            below = child.children(recursive=True)
-        except psutil.Error:
-            continue
-        server = "forkserver" in cmd or "resource_tracker" in cmd
-        found.extend(below if server else [child, *below])
-    return [p for p in found if _alive(p)]
-
-
-def wait_for_no_descendants(seconds: float = 5.0) -> list[psutil.Process]:
-    """Rank processes still alive after up to `seconds`."""
-    deadline = time.monotonic() + seconds
-    while (left := rank_descendants()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _launch(case: Case, mark: str) -> BaseException | None:

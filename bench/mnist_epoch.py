@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,7 @@ import ddp_helpers as dh
 from bench.common import machine_line
 from ddp_helpers import data
 from ddp_helpers.lessons import mnist
+from ddp_helpers.timing import format_seconds
 
 LABELS = {"faithful": "listing as printed (no sampler)", "fixed": "listing + DistributedSampler",
           "memory": "kit fast path (in-memory)"}
@@ -38,8 +40,16 @@ def run_variant(variant: str, source: data.DataSource, nprocs: int = 2) -> dict:
     return {"variant": variant, "epoch_s": max(r["epoch_s"][0] for r in results),
             "wall_s": wall, "accuracy": results[0]["accuracy"],
             "samples_per_rank": results[0]["samples_seen"], "steps": len(results[0]["loss"]),
-            "sync_s": max(sum(r["sync_s"]) for r in results),
+            "sync_s": _slowest_total([r["sync_s"] for r in results]),
             "data_s": max(sum(r["data_s"]) for r in results)}
+
+
+def _slowest_total(per_rank: list[list[float | None]]) -> float | None:
+    """The largest per-rank sum, or None when any step's time was not measured (NaN/None)."""
+    steps = [s for xs in per_rank for s in xs]
+    if any(s is None or math.isnan(s) for s in steps):
+        return None  # printed as "not measured", never as a sum of made-up zeros
+    return max(sum(xs) for xs in per_rank)
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -65,7 +75,7 @@ def verdicts(rows: list[dict]) -> list[str]:
             ratio = by[slow]["epoch_s"] / fast["epoch_s"]
             out.append(f"fast path vs {slow}: {ratio:.1f}x (target >= {target}x) "
                        f"{'PASS' if ratio >= target else 'MISS'}")
-    if fast["steps"]:
+    if fast["steps"] and fast["sync_s"] is not None:
         out.append(f"fast path floor: {fast['sync_s']:.2f} s of its {fast['epoch_s']:.2f} s are "
                    f"the {fast['steps']} gradient all-reduces DDP needs, one per step "
                    f"({1000 * fast['sync_s'] / fast['steps']:.2f} ms each on this machine)")
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run_variant(v, source))
         r = rows[-1]
         print(f"  {r['epoch_s']:.2f} s per epoch (launch to results {r['wall_s']:.1f} s), "
-              f"accuracy {r['accuracy']:.4f}, gradient sync {r['sync_s']:.2f} s, "
+              f"accuracy {r['accuracy']:.4f}, gradient sync {format_seconds(r['sync_s'])}, "
               f"waiting for data {r['data_s']:.2f} s", flush=True)
     lines = table(rows)
     print("\n".join(["", machine_line(), "", *lines, "", *verdicts(rows)]))

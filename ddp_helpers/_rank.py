@@ -6,6 +6,7 @@ imported here is imported once per kernel, and a learner's edits to it would not
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -30,16 +31,35 @@ class RankSpec:
     err: Any  # ... and fd 2
     result: Any  # framed pickles back to the parent: ("ok", value) or ("error", ...)
     lifeline: Any  # read end; EOF means the parent is gone or gave up on this run
+    commands: Any = None  # persistent ranks only: read end of the parent's commands
+    control: Any = None  # persistent ranks only: duplex, answered by a thread ("where are you?")
+
+    def child_ends(self) -> list:
+        """The connections the rank uses (the parent closes its copies once the rank has them)."""
+        return [c for c in (self.out, self.err, self.result, self.lifeline, self.commands,
+                            self.control) if c is not None]
+
+
+_current: RankSpec | None = None
+
+
+def current_spec() -> RankSpec:
+    """This rank's spec: persistent ranks read their command and control pipes from it."""
+    if _current is None:
+        raise RuntimeError("current_spec() is only available inside a rank started by the kit")
+    return _current
 
 
 def rank_entry(rank: int, specs: list[RankSpec]) -> None:
     """Set the rank up like a fresh process of the caller's, run fn(rank, *args), report back."""
+    global _current
     os.setsid()  # own process group: the parent stops the rank and its DataLoader workers at once
-    spec = specs[rank]
+    spec = _current = specs[rank]
     for other in specs:  # torch passes every rank the same args; keep only our own pipe ends
         if other is not spec:
-            for conn in (other.out, other.err, other.result):
-                conn.close()
+            for conn in other.child_ends():
+                if conn is not spec.lifeline:  # one lifeline pipe, shared by every rank
+                    conn.close()
     _redirect(spec)
     os.environ.clear()
     os.environ.update(spec.env)
@@ -54,12 +74,12 @@ def rank_entry(rank: int, specs: list[RankSpec]) -> None:
     try:
         fn, args = pickle.loads(spec.payload)
         value = fn(rank, *args)
-        message = pickle.dumps(("ok", _to_cpu(value)))
+        message = pickle.dumps(("ok", to_cpu(value)))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
-        _flush()
-        spec.result.send_bytes(_error_message(e))
+        flush()
+        spec.result.send_bytes(error_report(e))
         raise  # torch's _wrap records it too and exits with status 1
-    _flush()
+    flush()
     spec.result.send_bytes(message)
 
 
@@ -95,20 +115,26 @@ def _watch_lifeline(lifeline) -> None:
     threading.Thread(target=watch, name="ddp_helpers-lifeline", daemon=True).start()
 
 
-def _error_message(e: BaseException) -> bytes:
+def error_report(e: BaseException) -> bytes:
     tb = traceback.format_exc()
     return pickle.dumps(("error", type(e).__qualname__, str(e), tb))
 
 
-def _flush() -> None:
+def flush() -> None:
+    """Push out what Python and C stdio still buffer, so it reaches the parent before the
+    report does (C++ code printing through printf is block-buffered on a pipe)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
-def _to_cpu(value):
+def to_cpu(value):
     """Move returned tensors to the CPU, so unpickling them never touches CUDA in the kernel."""
     try:
         import torch
@@ -117,7 +143,7 @@ def _to_cpu(value):
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
+        return {k: to_cpu(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(v) for v in value)
+        return type(value)(to_cpu(v) for v in value)
     return value

@@ -1,30 +1,56 @@
-"""Exercise checks: compare a result with the expected one and say how close it is."""
+"""Comparing a result with the expected one, for lesson checks and exercise checks alike.
+
+A compared notebook output must not depend on the BLAS build or the CPU, so a PASS states the
+tolerance it was checked against instead of printing a raw difference; a FAIL names the first
+wrong element and what was expected there.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
+@dataclass
+class Case:
+    """One checked case: its label, whether it passed, and for a failure what differed."""
+
+    label: str
+    ok: bool
+    detail: str = ""
+
+
 def compare(name: str, got, expected, rtol: float = 1e-5, atol: float = 1e-8) -> bool:
-    """Print PASS (exact, or close with the largest difference) or FAIL; return if it passed."""
-    got_t, exp_t = _as_tensor(got), _as_tensor(expected)
+    """Print PASS (equal within the stated tolerance) or FAIL (the first wrong value); return
+    whether it passed. rtol=0, atol=0 asks for bit-for-bit equality."""
+    result = case(name, got, expected, rtol=rtol, atol=atol)
+    exact = rtol == 0 and atol == 0
+    tolerance = "bit for bit" if exact else f"within rtol={rtol:g}, atol={atol:g}"
+    print(f"PASS {name}: equal {tolerance}" if result.ok else f"FAIL {name}: {result.detail}")
+    return result.ok
+
+
+def case(label: str, got, expected, rtol: float = 1e-5, atol: float = 1e-6) -> Case:
+    """Compare got with expected (tensors, numbers, lists): exact, or close within rtol/atol.
+    A failure names the first wrong element and what was expected there."""
+    if got is None and expected is not None:
+        return Case(label, False, f"got None, expected {_short(expected)}")
+    try:
+        got_t, exp_t = _as_tensor(got), _as_tensor(expected)
+    except (TypeError, ValueError, RuntimeError):
+        ok = got == expected
+        return Case(label, ok, "" if ok else f"got {_short(got)}, expected {_short(expected)}")
     if got_t.shape != exp_t.shape:
-        print(f"FAIL {name}: shape {tuple(got_t.shape)} but expected {tuple(exp_t.shape)}")
-        return False
-    if got_t.numel() == 0 or torch.equal(got_t, exp_t):
-        print(f"PASS {name}: exact")
-        return True
-    diff = (got_t.double() - exp_t.double()).abs()
-    worst = diff.max().item()
-    if torch.allclose(got_t.double(), exp_t.double(), rtol=rtol, atol=atol):
-        print(f"PASS {name}: close (largest difference {worst:.1e}, within rtol={rtol:g}, "
-              f"atol={atol:g})")
-        return True
-    where = tuple(int(i) for i in torch.nonzero(diff == worst)[0].tolist())
-    print(f"FAIL {name}: largest difference {worst:.3g} at index {where} "
-          f"(got {got_t.flatten()[diff.flatten().argmax()].item():.6g}, "
-          f"expected {exp_t.flatten()[diff.flatten().argmax()].item():.6g})")
-    return False
+        return Case(label, False, f"shape {tuple(got_t.shape)}, expected {tuple(exp_t.shape)}")
+    close = torch.isclose(got_t.double(), exp_t.double(), rtol=rtol, atol=atol)
+    if bool(close.all()):
+        return Case(label, True)
+    i = int((~close).flatten().nonzero()[0])
+    where = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), got_t.shape)) \
+        if got_t.dim() else ()
+    return Case(label, False, f"at index {where}: got {got_t.flatten()[i].item():.6g}, expected "
+                              f"{exp_t.flatten()[i].item():.6g}")
 
 
 def _as_tensor(x) -> torch.Tensor:
@@ -32,4 +58,13 @@ def _as_tensor(x) -> torch.Tensor:
         return x.detach().cpu()
     if isinstance(x, (list, tuple)) and x and isinstance(x[0], torch.Tensor):
         return torch.stack([t.detach().cpu() for t in x])
+    if isinstance(x, (str, bytes, dict)) or x is None:
+        raise TypeError("not numeric")
     return torch.as_tensor(x)
+
+
+def _short(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+

@@ -1,12 +1,21 @@
-"""The errors `launch` raises: each says what happened, on which rank, and what to do next."""
+"""The errors `launch` and `Ranks` raise, and the text they carry: each says what happened, on
+which rank, and what to do next.
+
+The text is built here, from what the supervisor observed (a rank's report, an exit code, the
+last lines it printed), so the supervisor only observes and this module only words.
+"""
 
 from __future__ import annotations
 
+import signal
+
+from .tracebacks import clean_error_text, clean_traceback
+
 
 class LaunchError(Exception):
-    """Base class of every error `ddp_helpers.launch` raises.
+    """Base class of every error `ddp_helpers.launch` and `ddp_helpers.Ranks` raise.
 
-    `results[r]` holds what rank r returned before the launch failed, for every r in `finished`
+    `results[r]` holds what rank r returned before the run failed, for every r in `finished`
     (None elsewhere), so work done by ranks that completed is never lost.
     """
 
@@ -18,6 +27,11 @@ class LaunchError(Exception):
         self.rank = rank
         self.results = results if results is not None else []
         self.finished = finished if finished is not None else []
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows these lines instead of a traceback through the kit's own frames: the
+        # message already names the rank and carries the rank's own traceback.
+        return [f"{type(self).__name__}: {self}"]
 
 
 class LaunchRefused(LaunchError, ValueError):
@@ -34,6 +48,19 @@ class RankRaised(LaunchError):
         self.exc_message = exc_message
         self.traceback_text = traceback_text
 
+    @classmethod
+    def from_report(cls, rank: int, nprocs: int, report: tuple[str, str, str], *,
+                    consequence: str = "The other ranks were stopped.",
+                    results: list | None = None, finished: list[int] | None = None
+                    ) -> RankRaised:
+        """Word a rank's ("ExcType", message, traceback) report."""
+        exc_type, message, tb = report
+        text = (f"rank {rank} of {nprocs} raised {exc_type}: {clean_error_text(message)}\n"
+                f"{consequence} The rank's traceback:\n{clean_traceback(tb)}"
+                + hint(exc_type, message) + finished_note(finished))
+        return cls(text, rank=rank, exc_type=exc_type, exc_message=message, traceback_text=tb,
+                   results=results, finished=finished)
+
 
 class RankDied(LaunchError):
     """A rank exited without raising: os._exit, a signal (SIGKILL, SIGSEGV), or sys.exit."""
@@ -44,6 +71,27 @@ class RankDied(LaunchError):
         self.exitcode = exitcode
         self.signal_name = signal_name
 
+    @classmethod
+    def from_exit(cls, rank: int, nprocs: int, exitcode: int, last_line: str, *,
+                  consequence: str = "The other ranks were stopped.",
+                  results: list | None = None, finished: list[int] | None = None) -> RankDied:
+        """Word a rank's exit code (negative: killed by that signal)."""
+        signame = None
+        if exitcode < 0:
+            signame = (signal.Signals(-exitcode).name if -exitcode in signal.valid_signals()
+                       else str(-exitcode))
+            how = f"was killed by signal {signame}"
+            why = {"SIGKILL": " (killed from outside, or by the kernel's out-of-memory killer)",
+                   "SIGSEGV": " (a crash in C/C++ code: a segmentation fault)"}.get(signame, "")
+        else:
+            how = f"exited with code {exitcode} without returning a result"
+            why = " (os._exit or sys.exit in the rank's code?)"
+        text = (f"rank {rank} of {nprocs} {how}{why}. {consequence}"
+                + (f"\nIts last line of output: {last_line}" if last_line else "")
+                + finished_note(finished))
+        return cls(text, rank=rank, exitcode=exitcode, signal_name=signame, results=results,
+                   finished=finished)
+
 
 class LaunchTimeout(LaunchError, TimeoutError):
     """Not every rank finished in time; names the ranks still running and their last lines."""
@@ -53,3 +101,67 @@ class LaunchTimeout(LaunchError, TimeoutError):
         super().__init__(message, rank=unfinished[0] if unfinished else None, **kw)
         self.unfinished = unfinished
         self.last_lines = last_lines
+
+    @classmethod
+    def from_unfinished(cls, unfinished: list[int], nprocs: int, last_lines: dict[int, str], *,
+                        what: str = "", consequence: str = "Every rank was stopped.",
+                        results: list | None = None, finished: list[int] | None = None
+                        ) -> LaunchTimeout:
+        """Word a timeout: which ranks had not finished, and the last line each printed."""
+        lines = "\n".join(f"  rank {r}: {last_lines.get(r) or '(printed nothing)'}"
+                          for r in unfinished)
+        text = (f"timeout{what}: rank(s) {', '.join(map(str, unfinished))} of {nprocs} had not "
+                f"finished. {consequence} Last line each printed:\n{lines}\n"
+                "A rank waiting forever is usually in a collective or barrier another rank never "
+                "reached. Raise timeout= if the work is just slow." + finished_note(finished))
+        return cls(text, unfinished=unfinished, last_lines=last_lines, results=results,
+                   finished=finished)
+
+    @classmethod
+    def from_stall(cls, waiting: list[int], idle: list[int], nprocs: int, seconds: float,
+                   consequence: str) -> LaunchTimeout:
+        """Word a stall: ranks waiting in a collective that the other ranks never called."""
+        text = (f"stalled: rank(s) {', '.join(map(str, waiting))} of {nprocs} waited {seconds:g} s "
+                f"in a collective while rank(s) {', '.join(map(str, idle))} had finished the cell "
+                "or were not asked to run it. A collective completes only when every rank of its "
+                f"group calls it, so this one never would. {consequence}")
+        return cls(text, unfinished=waiting, last_lines={})
+
+
+_HINTS = [
+    (("clients joined", "waiting for clients"),
+     "Rank 0's rendezvous store waited for ranks that never arrived: a rank did not call "
+     "init_process_group (or returned or failed before it), or used another MASTER_PORT."),
+    (("timed out", "timeout"),
+     "A collective or barrier timed out: another rank never called the matching collective (a "
+     "desync) or was stuck. Rerun with env={'TORCH_DISTRIBUTED_DEBUG': 'DETAIL'} to have torch "
+     "check that every rank calls the same collectives, or use dist.monitored_barrier to name "
+     "the rank that did not arrive."),
+]
+
+_PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe",
+                 "distbackenderror", "timed out", "keyboardinterrupt")
+
+
+def hint(exc_type: str, message: str) -> str:
+    """A "What to do" line for errors whose usual cause is known, else ""."""
+    text = f"{exc_type} {message}".lower()
+    for needles, advice in _HINTS:
+        if any(n in text for n in needles):
+            return "\nWhat to do: " + advice
+    return ""
+
+
+def looks_like_peer_failure(exc_type: str, message: str) -> bool:
+    """An error a rank raises because another rank failed first (not the root cause)."""
+    text = f"{exc_type} {message}".lower()
+    return any(s in text for s in _PEER_FAILURE)
+
+
+def finished_note(done: list[int] | None) -> str:
+    """Where the results of ranks that finished before the failure are."""
+    if not done:
+        return ""
+    return (f"\nRanks {', '.join(map(str, done))} had finished: their return values are in this "
+            "error's .results.")
+

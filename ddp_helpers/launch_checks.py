@@ -31,28 +31,79 @@ def max_procs() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
-def check_launch(fn, args, nprocs, timeout, start_method, output) -> bytes:
-    """Validate everything checkable in the parent; return the pickled (fn, args) payload."""
-    _check_nprocs(nprocs)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise LaunchRefused(
-            f"timeout={timeout!r}: give the number of seconds the whole run may take, above 0 "
-            "(for example timeout=120). Nothing was started.")
-    if start_method not in START_METHODS:
-        hint = (" 'fork' would copy this (multi-threaded, possibly CUDA-initialised) kernel into "
-                "every rank, which can deadlock or crash." if start_method == "fork" else "")
-        raise LaunchRefused(f"start_method={start_method!r}: use one of {START_METHODS}.{hint}")
-    if output not in OUTPUT_MODES:
-        raise LaunchRefused(f"output={output!r}: use one of {OUTPUT_MODES}.")
+BACKEND_VAR = "DDP_HELPERS_BACKEND"  # set by launch(backend=...) for every rank of one run
+
+
+def check_launch(fn, args, nprocs, timeout, start_method, output, *, env=None, backend=None,
+                 master_port=None) -> tuple[bytes, dict[str, str], int | None]:
+    """Validate everything checkable in the parent, before any process starts.
+
+    Returns the pickled (fn, args) payload, the extra environment for the ranks, and the
+    caller's master_port (None: pick a free one)."""
+    check_run_options(nprocs, timeout, start_method, output)
     if not isinstance(args, tuple):
         raise LaunchRefused(
             f"args must be a tuple (got {type(args).__name__}): fn is called as fn(rank, *args), "
             "as torch.multiprocessing.spawn does; write args=(x,) for one argument.")
     check_importable(fn)
-    return _pickle_payload(fn, args)
+    payload = _pickle_payload(fn, args)
+    extra_env = check_env(env)
+    extra_env.update(check_backend(backend, nprocs))
+    if master_port is not None:
+        check_port_free("127.0.0.1", master_port)
+    return payload, extra_env, master_port
 
 
-def _check_nprocs(nprocs) -> None:
+def check_run_options(nprocs, timeout, start_method, output) -> None:
+    """Refuse a bad rank count, timeout, start method or output mode (launch and Ranks)."""
+    check_nprocs(nprocs)
+    check_timeout(timeout)
+    if start_method not in START_METHODS:
+        hint = (" 'fork' would copy this (multi-threaded, possibly CUDA-initialised) kernel into "
+                "every rank, which can deadlock or crash." if start_method == "fork" else "")
+        raise LaunchRefused(f"start_method={start_method!r}: use one of {START_METHODS}.{hint}")
+    check_output(output)
+
+
+def check_timeout(timeout) -> None:
+    """Refuse a timeout that is not a number of seconds above 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise LaunchRefused(
+            f"timeout={timeout!r}: give the number of seconds the whole run may take, above 0 "
+            "(for example timeout=120). Nothing was started.")
+
+
+def check_output(output) -> None:
+    """Refuse an unknown output mode."""
+    if output not in OUTPUT_MODES:
+        raise LaunchRefused(f"output={output!r}: use one of {OUTPUT_MODES}.")
+
+
+def check_env(env: dict | None) -> dict[str, str]:
+    """Refuse environment variables that are not strings; return a copy."""
+    env = dict(env or {})
+    for k, v in env.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise LaunchRefused(f"env={{{k!r}: {v!r}}}: environment variables are strings; "
+                                f"write env={{{str(k)!r}: {str(v)!r}}}. Nothing was started.")
+    return env
+
+
+def check_backend(backend: str | None, nprocs: int) -> dict[str, str]:
+    """Refuse an unknown backend, or nccl without GPUs; return the variable that forces it."""
+    if backend is None:
+        return {}
+    from .runtime import choose_backend  # late: runtime imports torch.distributed
+
+    try:
+        chosen = choose_backend(backend, nprocs)[0]
+    except ValueError as e:
+        raise LaunchRefused(f"{e} Nothing was started.") from e
+    return {} if backend == "auto" else {BACKEND_VAR: chosen}
+
+
+def check_nprocs(nprocs) -> None:
+    """Refuse a rank count that is not an int from 1 to max_procs()."""
     if isinstance(nprocs, bool) or not isinstance(nprocs, int):
         raise LaunchRefused(f"nprocs={nprocs!r}: give the number of ranks as an int, e.g. 2.")
     if nprocs < 1:

@@ -1,15 +1,10 @@
-"""Notebook conveniences: show a function's source, load an exercise attempt, reveal solutions."""
+"""Notebook conveniences: show a function's source, or the diff between two versions of one."""
 
 from __future__ import annotations
 
-import importlib
+import difflib
+import html
 import inspect
-import sys
-from pathlib import Path
-from types import ModuleType
-
-# notebooks/attempts/<name>.py is where a learner's answer goes (ignored by git)
-ATTEMPTS = "attempts"
 
 
 def show(obj) -> None:
@@ -17,29 +12,26 @@ def show(obj) -> None:
     print(inspect.getsource(obj).rstrip())
 
 
-def exercise(name: str) -> ModuleType:
-    """The learner's attempts/<name>.py if it exists, else the kit's solution; says which."""
-    attempt = Path.cwd() / ATTEMPTS / f"{name}.py"
-    if attempt.exists():
-        if str(Path.cwd()) not in sys.path:
-            sys.path.insert(0, str(Path.cwd()))  # the ranks get this sys.path from launch
-        module = importlib.import_module(f"{ATTEMPTS}.{name}")
-        module = importlib.reload(module)  # pick up edits between runs
-        print(f"checking your attempt: {ATTEMPTS}/{name}.py")
-        return module
-    print(f"no {ATTEMPTS}/{name}.py yet: checking the kit's solution "
-          f"(write yours with %%writefile {ATTEMPTS}/{name}.py)")
-    return _solution(name)
+def show_diff(before, after, *, context: int = 3) -> None:
+    """Show what changed from `before` to `after` (two functions or modules) as a unified diff:
+    removed lines in red, added ones in green in JupyterLab, plain "-"/"+" lines elsewhere."""
+    from IPython.display import display
+
+    old = inspect.getsource(before).rstrip().splitlines()
+    new = inspect.getsource(after).rstrip().splitlines()
+    names = (getattr(before, "__qualname__", "before"), getattr(after, "__qualname__", "after"))
+    lines = list(difflib.unified_diff(old, new, *names, n=context, lineterm=""))
+    display({"text/plain": "\n".join(lines), "text/html": _diff_html(lines)}, raw=True)
 
 
-def reveal(name: str) -> None:
-    """Print the kit's solution to an exercise."""
-    show(_solution(name))
+_COLOURS = {"+": "#e6ffec", "-": "#ffebe9", "@": "#ddf4ff"}
 
 
-def _solution(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(f"ddp_helpers.solutions.{name}")
-    except ModuleNotFoundError as e:
-        raise ValueError(f"no exercise called {name!r}: see ddp_helpers/solutions/ for the "
-                         "names") from e
+def _diff_html(lines: list[str]) -> str:
+    rows = []
+    for line in lines:
+        colour = _COLOURS.get(line[:1], "transparent") if not line.startswith(("+++", "---")) \
+            else "transparent"
+        rows.append(f'<span style="background:{colour};display:block">{html.escape(line)}'
+                    "</span>")
+    return '<pre style="line-height:1.3">' + "".join(rows) + "</pre>"

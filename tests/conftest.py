@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.fault_campaign import rank_descendants, wait_for_no_descendants
+from ddp_helpers.census import rank_descendants, wait_for_no_descendants
 
 
 def rank_processes():

@@ -1,0 +1,96 @@
+"""Persistent ranks, side by side in one run: starting two ranks, a trivial cell's round trip,
+and a dist.all_reduce cell against the all-reduce's own time on the ranks; ipyparallel's engines
+and its %%px round trip beside them when ipyparallel is installed (`pip install ipyparallel`).
+
+    python -m bench.ranks [--starts 10] [--cells 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import ddp_helpers as dh
+from bench.common import median, timed, write_table
+
+# The all-reduce's own time, measured on the ranks inside the cell (the slower rank counts).
+TIMED_CELL = "t0 = time.perf_counter(); dist.all_reduce(t); time.perf_counter() - t0"
+# ...and back to back in one cell, where the ranks run in lockstep.
+TIGHT_LOOP = """
+times = []
+for _ in range(200):
+    t0 = time.perf_counter(); dist.all_reduce(t); times.append(time.perf_counter() - t0)
+sorted(times)[100]
+"""
+
+
+def ranks_rows(starts: int, cells: int) -> dict[str, list[float]]:
+    """Seconds per operation on dh.Ranks (two gloo ranks on the CPU)."""
+    cold = timed(lambda: dh.Ranks(2, output="none").stop(), 1)  # may start the start server
+    rows = {"dh.Ranks(2): first start in this process": cold,
+            "dh.Ranks(2): start, warm": timed(lambda: dh.Ranks(2, output="none").stop(), starts)}
+    with dh.Ranks(2, output="none") as pool:
+        rows["dh.Ranks: trivial cell round trip"] = timed(lambda: pool.run("1"), cells, warmup=20)
+        pool.run("import time\nt = torch.ones(256)")
+        inside: list[float] = []
+        rows["dh.Ranks: dist.all_reduce(t) cell"] = timed(
+            lambda: inside.append(max(pool.run(TIMED_CELL))), cells, warmup=20)
+        rows["all_reduce's own time inside that cell"] = inside[20:]
+        rows["all_reduce back to back on the ranks"] = [max(pool.run(TIGHT_LOOP))]
+    return rows
+
+
+def ipyparallel_rows(cells: int) -> dict[str, list[float]]:
+    """The same figures for ipyparallel's engines (%%px runs view.execute(cell, block=True))."""
+    try:
+        import ipyparallel as ipp
+    except ImportError:
+        print("ipyparallel is not installed: `pip install ipyparallel` to compare with it.")
+        return {}
+    t0 = time.perf_counter()
+    cluster = ipp.Cluster(n=2, log_level=40)
+    client = cluster.start_and_connect_sync()
+    client.wait_for_engines(2, timeout=120)
+    start = time.perf_counter() - t0
+    try:
+        view = client[:]
+        trivial = timed(lambda: view.execute("a = 1", block=True), cells, warmup=20)
+    finally:
+        cluster.stop_cluster_sync()
+    return {"ipyparallel: start 2 engines": [start],
+            "ipyparallel: trivial %%px round trip": trivial}
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Print medians and comparisons; return the medians by row name."""
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--starts", type=int, default=10, help="timed warm starts")
+    p.add_argument("--cells", type=int, default=200, help="timed cells per row")
+    a = p.parse_args(argv)
+    rows = {**ranks_rows(a.starts, a.cells), **ipyparallel_rows(a.cells)}
+    medians = {k: median(v) for k, v in rows.items()}
+    table = [[name, str(len(rows[name])), _ms(m)] for name, m in medians.items()]
+    overhead = (medians["dh.Ranks: dist.all_reduce(t) cell"]
+                - medians["all_reduce's own time inside that cell"])
+    notes = [f"A dist.all_reduce cell costs {_ms(overhead)} more than the all-reduce inside it "
+             "(target: at most 2 ms). The all-reduce itself is slower in a cell than back to "
+             "back: the ranks start it a little apart and wake from idle."]
+    if "ipyparallel: trivial %%px round trip" in medians:
+        px, ours = (medians["ipyparallel: trivial %%px round trip"],
+                    medians["dh.Ranks: trivial cell round trip"])
+        start = medians["ipyparallel: start 2 engines"] / medians["dh.Ranks(2): start, warm"]
+        notes.append(f"Trivial cell: dh.Ranks is {px / ours:.1f}x faster than ipyparallel's "
+                     f"%%px; a warm start of two ranks is {start:.0f}x faster than starting "
+                     "two ipyparallel engines.")
+    notes.append("Targets: a warm start under 1 s, a trivial cell at most 5 ms median.")
+    write_table("ranks", ["operation (two ranks, CPU, gloo)", "runs", "median"], table,
+                notes=" ".join(notes))
+    return medians
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.2f} ms"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Exercises: where a learner's answer is read from, how it is checked, and the verdict printed.
+
+Every exercise is checked by one call in its notebook, `dh.check("<name>")` (or
+`dh.check("<name>", answer)` for a prediction), and prints exactly one verdict line:
+    PASS <name>: <n> cases
+    FAIL <name>: <case>: <first wrong value and what was expected>
+    NOT ATTEMPTED <name>: <where to write the answer>
+The kit's own solution never earns a PASS: with no answer there is nothing to check.
+
+Three kinds of answer, each checked by a function registered with @exercise_check in the lesson
+module of the notebook that sets the exercise:
+- "file": a module the learner writes with `%%writefile attempts/<name>.py` (needed where ranks
+  started by dh.launch must import the function); the check gets that module.
+- "ranks": a function the learner defines in a `%%ranks` cell; the check runs on every rank of
+  the current persistent ranks and gets the rank's namespace.
+- "prediction": a value the learner writes in the notebook; the check gets that value.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import inspect
+import pkgutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from .checks import Case, case  # noqa: F401 - case is what checks use
+
+ATTEMPTS = "attempts"  # notebooks/attempts/<name>.py; the folder is made on first use
+KINDS = ("file", "ranks", "prediction")
+_NOTHING = object()
+
+
+class NotAttempted(Exception):
+    """Raised by a check when the learner has not given an answer yet."""
+
+
+@dataclass
+class Exercise:
+    """A registered exercise: its name, kind and check function."""
+
+    name: str
+    kind: str
+    check: Callable
+    wrong_answer: object = None  # predictions: a plausible wrong answer, for the kit's tests
+
+
+_REGISTRY: dict[str, Exercise] = {}
+
+
+def exercise_check(name: str, kind: str, wrong_answer: object = None) -> Callable:
+    """Register the decorated function as the check of exercise `name`.
+
+    file: check(module) -> list[Case]; ranks: check(namespace) -> list[Case], run on every
+    rank; prediction: check(answer) -> list[Case]. Raise NotAttempted when there is no answer.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: use one of {KINDS}")
+
+    def register(fn: Callable) -> Callable:
+        _REGISTRY[name] = Exercise(name, kind, fn, wrong_answer)
+        return fn
+
+    return register
+
+
+# -- checking -------------------------------------------------------------------------------
+
+@dataclass
+class Verdict:
+    """The outcome of one check: "PASS", "FAIL" or "NOT ATTEMPTED", and the line printed."""
+
+    outcome: str
+    line: str
+
+
+def check(name: str, answer: object = _NOTHING, *, pool=None) -> None:
+    """Check the learner's answer to exercise `name` and print one verdict line."""
+    print(evaluate(name, answer, pool=pool).line, flush=True)
+
+
+def evaluate(name: str, answer: object = _NOTHING, *, pool=None) -> Verdict:
+    """Check exercise `name` (see check) and return the verdict instead of printing it."""
+    ex = find(name)
+    try:
+        cases = _run(ex, answer, pool)
+    except NotAttempted as e:
+        return Verdict("NOT ATTEMPTED", f"NOT ATTEMPTED {name}: {e}")
+    except Exception as e:  # noqa: BLE001 - a crashing answer is a wrong answer
+        first = (str(e).splitlines() or [""])[0]
+        return Verdict("FAIL", f"FAIL {name}: your answer raised {type(e).__name__}: {first}")
+    wrong = [c for c in cases if not c.ok]
+    if not cases:
+        return Verdict("FAIL", f"FAIL {name}: the check found no case to run")
+    if wrong:
+        return Verdict("FAIL", f"FAIL {name}: {wrong[0].label}: {wrong[0].detail} "
+                               f"({len(wrong)} of {len(cases)} cases wrong)")
+    return Verdict("PASS", f"PASS {name}: {len(cases)} of {len(cases)} cases")
+
+
+def _run(ex: Exercise, answer: object, pool) -> list[Case]:
+    if ex.kind == "prediction":
+        if answer is _NOTHING or answer is None or answer == "" or answer is Ellipsis:
+            raise NotAttempted("write your prediction in the cell above (it is empty), then "
+                               "run this check")
+        return ex.check(answer)
+    if ex.kind == "file":
+        module = load_attempt(ex.name)
+        if module is None:
+            raise NotAttempted(f"write it with %%writefile {ATTEMPTS}/{ex.name}.py, then run "
+                               "this check (dh.reveal shows the kit's solution)")
+        return ex.check(module)
+    return _run_on_ranks(ex, pool)
+
+
+def _run_on_ranks(ex: Exercise, pool) -> list[Case]:
+    from .errors import LaunchError
+    from .ranks import current
+
+    pool = pool or current()
+    if pool is None or not pool.running:
+        raise NotAttempted("no ranks are running: `%ranks start 2`, define your function in a "
+                           "%%ranks cell, then run this check")
+    code = f"import ddp_helpers.exercises as _ex\n_ex.on_rank({ex.name!r}, globals())"
+    try:
+        per_rank = pool.run(code, output="none")
+    except LaunchError as e:
+        raise RuntimeError(f"the ranks failed while checking: {str(e).splitlines()[0]}") from e
+    if any(r is None for r in per_rank):
+        raise NotAttempted(f"define {ex.name} in a %%ranks cell (on every rank), then run this "
+                           "check (dh.reveal shows the kit's solution)")
+    return [Case(f"rank {r}: {c.label}", c.ok, c.detail)
+            for r, cases in enumerate(per_rank) for c in cases]
+
+
+def on_rank(name: str, namespace: dict) -> list[Case] | None:
+    """Run a "ranks" check on this rank (called by dh.check through the ranks); None: no
+    answer here."""
+    try:
+        return find(name).check(namespace)
+    except NotAttempted:
+        return None
+
+
+def load_attempt(name: str) -> ModuleType | None:
+    """The learner's attempts/<name>.py, freshly imported, or None if it does not exist.
+    Creates attempts/ on first use, so `%%writefile attempts/<name>.py` works."""
+    folder = Path.cwd() / ATTEMPTS
+    folder.mkdir(exist_ok=True)
+    if not (folder / f"{name}.py").exists():
+        return None
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # the ranks get this sys.path from launch
+    module_name = f"{ATTEMPTS}.{name}"
+    importlib.invalidate_caches()
+    if module_name in sys.modules:
+        return importlib.reload(sys.modules[module_name])  # pick up edits between runs
+    return importlib.import_module(module_name)
+
+
+def require(namespace_or_module, *names: str):
+    """The learner's functions by name, or NotAttempted if one is missing or still a stub."""
+    found = []
+    for n in names:
+        if isinstance(namespace_or_module, dict):
+            fn = namespace_or_module.get(n)
+        else:
+            fn = getattr(namespace_or_module, n, None)
+        if fn is None or _is_stub(fn):
+            raise NotAttempted(f"{n} is not written yet")
+        found.append(fn)
+    return found[0] if len(found) == 1 else found
+
+
+def _is_stub(fn) -> bool:
+    """A function whose body is only `...` or `raise NotImplementedError`: the template."""
+    try:
+        body = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    lines = [ln.strip() for ln in body.splitlines()[1:] if ln.strip() and
+             not ln.strip().startswith(("#", '"""', "'''"))]
+    return lines in (["..."], ["pass"]) or (len(lines) == 1 and "NotImplementedError" in lines[0])
+
+
+# -- registry and solutions -----------------------------------------------------------------
+
+def find(name: str) -> Exercise:
+    """The registered exercise `name` (lesson modules register theirs on import)."""
+    if name not in _REGISTRY:
+        _import_lessons()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"no exercise called {name!r}; the exercises are: "
+                         f"{', '.join(sorted(_REGISTRY))}") from None
+
+
+def all_exercises() -> dict[str, Exercise]:
+    """Every registered exercise, by name."""
+    _import_lessons()
+    return dict(_REGISTRY)
+
+
+def _import_lessons() -> None:
+    from . import lessons
+
+    for info in pkgutil.iter_modules(lessons.__path__):
+        importlib.import_module(f"{lessons.__name__}.{info.name}")
+
+
+def solution_module(name: str) -> ModuleType:
+    """The kit's solution to exercise `name` (ddp_helpers/solutions/<name>.py)."""
+    try:
+        return importlib.import_module(f"ddp_helpers.solutions.{name}")
+    except ModuleNotFoundError as e:
+        raise ValueError(f"no solution called {name!r}: see ddp_helpers/solutions/") from e
+
+
+def solution_source(name: str) -> str:
+    """The source text of the kit's solution to exercise `name`."""
+    return inspect.getsource(solution_module(name)).rstrip()
+
+
+def reveal(name: str) -> None:
+    """Show the kit's solution folded away: JupyterLab renders a collapsed "Solution" line to
+    click open; plain-text front ends (and nbval) see only that line."""
+    from IPython.display import display
+
+    source = solution_source(name)
+    summary = f"Solution to {name} (click to show)"
+    display({"text/plain": f"{summary}: in JupyterLab, click it; elsewhere, "
+                           f"print(dh.solution_source({name!r}))",
+             "text/html": f"<details><summary>{html.escape(summary)}</summary>"
+                          f"<pre>{html.escape(source)}</pre></details>"}, raw=True)

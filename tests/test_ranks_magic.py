@@ -1,0 +1,96 @@
+"""%ranks / %%ranks in a real IPython shell, on real gloo ranks."""
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+import ddp_helpers as dh
+from ddp_helpers import ranks as ranks_module
+
+
+@pytest.fixture
+def shell(no_leftovers):
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "ddp_helpers")
+    yield ip
+    pool = ranks_module.current()
+    if pool is not None:
+        pool.stop()
+    ranks_module._current = None
+
+
+def run(ip, source):
+    """Run a cell; return its error (or None) without printing IPython's traceback."""
+    result = ip.run_cell(source, silent=True)
+    return result.error_in_exec or result.error_before_exec
+
+
+def test_a_cell_runs_on_every_rank_and_shows_each_value(shell, capsys):
+    assert run(shell, "%ranks start 2 --output by_rank") is None
+    assert run(shell, "%%ranks\nt = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\nt") is None
+    out = capsys.readouterr().out
+    assert "[rank 0] process group: gloo on cpu, 2 ranks" in out
+    assert "[rank 0] Out: tensor([3.])\n[rank 1] Out: tensor([3.])" in out
+
+
+def test_return_brings_a_variable_back_as_a_rank_ordered_list(shell):
+    run(shell, "%ranks start 2 --output none")
+    assert run(shell, "%%ranks --return w,rank\nw = [rank] * 3") is None
+    assert shell.user_ns["w"] == [[0, 0, 0], [1, 1, 1]]
+    assert shell.user_ns["rank"] == [0, 1]
+
+
+def test_targets_and_by_rank_output(shell, capsys):
+    run(shell, "%ranks start 2 --output none")
+    assert run(shell, "%%ranks --targets 1 --output by_rank\nprint('only me')") is None
+    out = capsys.readouterr().out
+    assert "[rank 1] only me" in out and "[rank 0] only me" not in out
+
+
+def test_status_stop_and_restart(shell, capsys):
+    run(shell, "%ranks start 2 --output none")
+    run(shell, "s = %ranks status")
+    assert "2 ranks running, 0 cells run" in str(shell.user_ns["s"])
+    run(shell, "%ranks stop")
+    err = run(shell, "%%ranks\n1")
+    assert isinstance(err, dh.LaunchRefused) and "restart" in str(err)
+    assert run(shell, "%ranks restart") is None
+    assert run(shell, "%%ranks --return r\nr = rank") is None and shell.user_ns["r"] == [0, 1]
+
+
+def test_a_failed_cell_keeps_the_kernel_and_the_next_cell_gets_a_fresh_group(shell, capsys):
+    run(shell, "%ranks start 2 --output none")
+    err = run(shell, "%%ranks\nt = torch.ones(1)\nif rank == 1:\n    raise ValueError('x')\n"
+                     "dist.all_reduce(t)")
+    assert isinstance(err, dh.RankRaised) and "Every rank was stopped" in str(err)
+    assert err._render_traceback_()[0].startswith("RankRaised: rank 1 of 2 raised ValueError")
+    assert run(shell, "%%ranks --return r\nr = rank") is None
+    assert "starting 2 fresh ranks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cell, match", [
+    ("%%ranks --bogus\n1", "unrecognized arguments: --bogus"),
+    ("%%ranks --targets 5\n1", "give ranks from 0 to 1"),
+    ("%%ranks --targets a\n1", "rank numbers separated by commas"),
+    ("%%ranks --return 1x\n1", "is not a variable name"),
+])
+def test_bad_cell_options_are_refused_before_anything_runs(shell, cell, match):
+    run(shell, "%ranks start 2 --output none")
+    err = run(shell, cell)
+    assert isinstance(err, dh.LaunchRefused) and match in str(err), err
+    assert ranks_module.current().cells_run == 0
+
+
+@pytest.mark.parametrize("line, match", [
+    ("%ranks start", "say how many ranks"), ("%ranks start two", "whole number"),
+    ("%ranks start 0", "at least 1 rank"), ("%ranks start 100000", "more than this machine"),
+    ("%ranks launch 2", "invalid choice"),
+])
+def test_bad_start_lines_are_refused(shell, line, match):
+    err = run(shell, line)
+    assert isinstance(err, dh.LaunchRefused) and match in str(err), err
+
+
+def test_a_ranks_cell_before_start_says_how_to_start(shell):
+    ranks_module._current = None
+    err = run(shell, "%%ranks\n1")
+    assert isinstance(err, dh.LaunchRefused) and "%ranks start 2" in str(err)
