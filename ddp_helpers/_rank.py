@@ -7,6 +7,7 @@ imported here is imported once per kernel, and a learner's edits to it would not
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -31,13 +32,14 @@ class RankSpec:
     err: Any  # ... and fd 2
     result: Any  # framed pickles back to the parent: ("ok", value) or ("error", ...)
     lifeline: Any  # read end; EOF means the parent is gone or gave up on this run
+    stacks: Any = None  # write end: faulthandler dumps every thread's stack here on SIGUSR1
     commands: Any = None  # persistent ranks only: read end of the parent's commands
     control: Any = None  # persistent ranks only: duplex, answered by a thread ("where are you?")
 
     def child_ends(self) -> list:
         """The connections the rank uses (the parent closes its copies once the rank has them)."""
-        return [c for c in (self.out, self.err, self.result, self.lifeline, self.commands,
-                            self.control) if c is not None]
+        return [c for c in (self.out, self.err, self.result, self.lifeline, self.stacks,
+                            self.commands, self.control) if c is not None]
 
 
 _current: RankSpec | None = None
@@ -71,6 +73,10 @@ def rank_entry(rank: int, specs: list[RankSpec]) -> None:
     sys.path[:] = spec.sys_path
     os.chdir(spec.cwd)
     _watch_lifeline(spec.lifeline)
+    if spec.stacks is not None:
+        # A C-level handler: it dumps the stacks even while the main thread is stuck in C++
+        # code that holds the GIL, where no Python thread could run.
+        faulthandler.register(signal.SIGUSR1, file=spec.stacks.fileno(), all_threads=True)
     try:
         fn, args = pickle.loads(spec.payload)
         value = fn(rank, *args)

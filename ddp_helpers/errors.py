@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import signal
 
-from .tracebacks import clean_error_text, clean_traceback
+from .tracebacks import clean_error_text, clean_traceback, main_thread_stack
 
 
 class LaunchError(Exception):
@@ -97,25 +97,29 @@ class LaunchTimeout(LaunchError, TimeoutError):
     """Not every rank finished in time; names the ranks still running and their last lines."""
 
     def __init__(self, message: str, *, unfinished: list[int], last_lines: dict[int, str],
-                 **kw):
+                 stacks: dict[int, str] | None = None, **kw):
         super().__init__(message, rank=unfinished[0] if unfinished else None, **kw)
         self.unfinished = unfinished
         self.last_lines = last_lines
+        self.stacks = stacks or {}  # rank -> its main thread's Python stack when it was stopped
 
     @classmethod
     def from_unfinished(cls, unfinished: list[int], nprocs: int, last_lines: dict[int, str], *,
                         what: str = "", consequence: str = "Every rank was stopped.",
-                        results: list | None = None, finished: list[int] | None = None
-                        ) -> LaunchTimeout:
-        """Word a timeout: which ranks had not finished, and the last line each printed."""
+                        stacks: dict[int, str] | None = None, results: list | None = None,
+                        finished: list[int] | None = None) -> LaunchTimeout:
+        """Word a timeout: which ranks had not finished, the last line each printed, and,
+        given faulthandler dumps in `stacks`, where each one's main thread was."""
         lines = "\n".join(f"  rank {r}: {last_lines.get(r) or '(printed nothing)'}"
                           for r in unfinished)
+        short = {r: main_thread_stack(t) for r, t in (stacks or {}).items()}
         text = (f"timeout{what}: rank(s) {', '.join(map(str, unfinished))} of {nprocs} had not "
                 f"finished. {consequence} Last line each printed:\n{lines}\n"
+                + _stacks_text(short) +
                 "A rank waiting forever is usually in a collective or barrier another rank never "
                 "reached. Raise timeout= if the work is just slow." + finished_note(finished))
-        return cls(text, unfinished=unfinished, last_lines=last_lines, results=results,
-                   finished=finished)
+        return cls(text, unfinished=unfinished, last_lines=last_lines, stacks=short,
+                   results=results, finished=finished)
 
     @classmethod
     def from_stall(cls, waiting: list[int], idle: list[int], nprocs: int, seconds: float,
@@ -126,6 +130,16 @@ class LaunchTimeout(LaunchError, TimeoutError):
                 "or were not asked to run it. A collective completes only when every rank of its "
                 f"group calls it, so this one never would. {consequence}")
         return cls(text, unfinished=waiting, last_lines={})
+
+
+def _stacks_text(stacks: dict[int, str]) -> str:
+    if not any(stacks.values()):
+        return ""
+    parts = [f"rank {r}:\n{text or '  (no stack: the rank did not answer)'}"
+             for r, text in sorted(stacks.items())]
+    return ("Where each rank was when it was stopped (its Python stack, most recent call last; "
+            "on a cluster, `py-spy dump --pid <pid>` shows the same for a live process):\n"
+            + "\n".join(parts) + "\n")
 
 
 _HINTS = [

@@ -15,7 +15,7 @@ from .supervisor import DRAIN_SECONDS, Failure, Priority, RankSet
 
 
 def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
-           start_method: str = "forkserver", output: str = "live", env: dict | None = None,
+           start_method: str = "forkserver", output="live", env: dict | None = None,
            backend: str | None = None, master_port: int | None = None) -> list:
     """Run fn(rank, *args) on `nprocs` ranks and return their return values in rank order.
 
@@ -28,7 +28,9 @@ def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
         start_method: "forkserver" (fast: ranks fork from a server that preloaded torch) or
             "spawn" (a fresh interpreter per rank, as mp.spawn does).
         output: "live" streams "[rank r] ..." lines as they come; "by_rank" prints each rank's
-            lines after the run, rank 0 first (deterministic); "none" keeps them quiet.
+            lines after the run, rank 0 first (deterministic); "none" keeps them quiet; a
+            callable sink(rank, stream, line) receives each line instead (stream is "stdout"
+            or "stderr"), e.g. to update a widget.
         env: extra environment variables for the ranks only (strings).
         backend: force the backend every dh.process_group(...) in the run uses ("gloo", "nccl").
         master_port: a fixed rendezvous port; by default a free one is chosen per launch.
@@ -53,11 +55,12 @@ def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
     try:
         ranks.start(payload, {**os.environ, **extra_env, **rendezvous})
         outcome = ranks.wait(ranks.all_exited, time.monotonic() + timeout, _give_up)
+        stacks = ranks.dump_stacks(_unfinished(ranks)) if outcome == "timeout" else {}
     except BaseException:  # KeyboardInterrupt included: stop everything, then re-raise
         _finish(ranks, drain=0)
         raise
     _finish(ranks, drain=DRAIN_SECONDS)
-    error = _error(ranks, outcome)
+    error = _error(ranks, outcome, stacks)
     if error is not None:
         raise error
     return [ranks.reports[r][1] for r in range(nprocs)]
@@ -83,15 +86,20 @@ def _finish(ranks: RankSet, drain: float) -> None:
     ranks.close()
 
 
-def _error(ranks: RankSet, outcome: str) -> LaunchError | None:
+def _unfinished(ranks: RankSet) -> list[int]:
+    return [r for r in range(ranks.nprocs) if ranks.reports.get(r, ("",))[0] != "ok"]
+
+
+def _error(ranks: RankSet, outcome: str, stacks: dict[int, str]) -> LaunchError | None:
     """The error to raise for a finished run, or None if every rank returned."""
     done = sorted(r for r, rep in ranks.reports.items() if rep[0] == "ok")
     results = [ranks.reports[r][1] if r in done else None for r in range(ranks.nprocs)]
     kw = {"results": results, "finished": done}
     if outcome == "timeout":
-        unfinished = [r for r in range(ranks.nprocs) if r not in done]
+        unfinished = _unfinished(ranks)
         last = {r: ranks.relay.last_line(r) for r in unfinished}
-        return LaunchTimeout.from_unfinished(unfinished, ranks.nprocs, last, **kw)
+        return LaunchTimeout.from_unfinished(unfinished, ranks.nprocs, last, stacks=stacks,
+                                             **kw)
     failure = ranks.first_failure()
     if failure is None:
         return None

@@ -74,9 +74,10 @@ def check_timeout(timeout) -> None:
 
 
 def check_output(output) -> None:
-    """Refuse an unknown output mode."""
-    if output not in OUTPUT_MODES:
-        raise LaunchRefused(f"output={output!r}: use one of {OUTPUT_MODES}.")
+    """Refuse an unknown output mode (a callable sink(rank, stream, line) is a mode too)."""
+    if not callable(output) and output not in OUTPUT_MODES:
+        raise LaunchRefused(f"output={output!r}: use one of {OUTPUT_MODES}, or a function "
+                            "sink(rank, stream, line) that receives each line.")
 
 
 def check_env(env: dict | None) -> dict[str, str]:

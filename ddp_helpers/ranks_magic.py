@@ -2,6 +2,7 @@
 
     %load_ext ddp_helpers
     %ranks start 2 [--backend gloo] [--timeout 60] [--no-group] [--output by_rank]
+                   [--env NAME=VALUE ...]
     %ranks status | stop | restart
 
     %%ranks [--targets 0,1] [--timeout S] [--output live|by_rank|none] [--return NAME[,NAME]]
@@ -19,7 +20,7 @@ from .errors import LaunchRefused
 from .launch_checks import OUTPUT_MODES
 from .ranks import Ranks, current
 
-_USAGE = ("Use `%ranks start 2` (options --backend, --timeout, --no-group, --output), then "
+_USAGE = ("Use `%ranks start 2` (options --backend, --timeout, --no-group, --output, --env), then "
           "`%%ranks` cells; `%ranks status`, `%ranks restart`, `%ranks stop`.")
 
 
@@ -38,6 +39,7 @@ def _start_parser() -> _Parser:
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--no-group", dest="group", action="store_false")
     p.add_argument("--output", choices=OUTPUT_MODES, default="live")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     return p
 
 
@@ -59,7 +61,7 @@ def ranks_line(line: str) -> object:
         if pool is not None and pool.running:
             pool.stop()  # re-running a notebook from the top starts afresh
         Ranks(n, backend=args.backend, timeout=args.timeout, group=args.group,
-              output=args.output)
+              output=args.output, env=_env(args.env))
         return None
     if pool is None:
         raise LaunchRefused(f"%ranks {args.action}: no ranks were started. {_USAGE}")
@@ -108,6 +110,14 @@ def _nprocs(text: str | None) -> int:
     except ValueError:
         raise LaunchRefused(f"%ranks start {text}: the number of ranks is a whole number, "
                             "e.g. `%ranks start 2`.") from None
+
+
+def _env(pairs: list[str]) -> dict[str, str]:
+    bad = [p for p in pairs if "=" not in p or not p.split("=", 1)[0]]
+    if bad:
+        raise LaunchRefused(f"%ranks start --env {bad[0]}: write NAME=VALUE, e.g. "
+                            "--env TORCH_DISTRIBUTED_DEBUG=DETAIL.")
+    return dict(p.split("=", 1) for p in pairs)
 
 
 def _targets(text: str | None) -> list[int] | None:

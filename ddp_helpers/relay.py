@@ -10,9 +10,10 @@ import sys
 
 
 class OutputRelay:
-    """Splits the ranks' byte streams into lines; prints them live, by rank, or not at all."""
+    """Splits the ranks' byte streams into lines; prints them live, by rank, or not at all, or
+    hands each to a callable `mode(rank, stream, line)` with stream "stdout" or "stderr"."""
 
-    def __init__(self, nprocs: int, mode: str):
+    def __init__(self, nprocs: int, mode):
         self.mode = mode
         self.partial = {(r, k): b"" for r in range(nprocs) for k in ("out", "err")}
         self.held: dict[int, list[tuple[str, str]]] = {r: [] for r in range(nprocs)}
@@ -46,7 +47,9 @@ class OutputRelay:
         text = raw.decode("utf-8", errors="replace").rstrip("\r")
         if text.strip():
             self.last[rank] = text.strip()
-        if self.mode == "live":
+        if callable(self.mode):
+            self.mode(rank, "stdout" if kind == "out" else "stderr", text)
+        elif self.mode == "live":
             _emit(rank, kind, text)
         elif self.mode == "by_rank":
             self.held[rank].append((kind, text))

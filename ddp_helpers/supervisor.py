@@ -18,6 +18,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -77,6 +78,7 @@ class RankSet:
         self._lifeline = None
         self._waiting: dict = {}  # process sentinel -> rank, for ranks not yet exited
         self._closed: set[int] = set()  # ranks whose Process object was closed after reaping
+        self._stack_ends: dict[int, object] = {}  # rank -> read end of its faulthandler pipe
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -99,7 +101,9 @@ class RankSet:
             out_r, out_w = self.ctx.Pipe(duplex=False)
             err_r, err_w = self.ctx.Pipe(duplex=False)
             res_r, res_w = self.ctx.Pipe(duplex=False)
+            stk_r, stk_w = self.ctx.Pipe(duplex=False)
             self.ends.update({out_r: ("out", rank), err_r: ("err", rank), res_r: ("res", rank)})
+            self._stack_ends[rank] = stk_r
             cmd_r = control_child = None
             if self.persistent:
                 cmd_r, self.commands[rank] = self.ctx.Pipe(duplex=False)
@@ -108,7 +112,7 @@ class RankSet:
                                   cwd=os.getcwd(),
                                   start_method=multiprocessing.get_start_method(allow_none=True),
                                   out=out_w, err=err_w, result=res_w, lifeline=lifeline_r,
-                                  commands=cmd_r, control=control_child))
+                                  stacks=stk_w, commands=cmd_r, control=control_child))
         return specs
 
     @property
@@ -255,6 +259,30 @@ class RankSet:
         except (OSError, EOFError, ValueError):
             return None
 
+    def dump_stacks(self, ranks: list[int], seconds: float = 1.0) -> dict[int, str]:
+        """Ask each rank's faulthandler for every thread's Python stack (SIGUSR1); return the
+        raw text per rank, for a hung run's error. Ranks that do not answer get ""."""
+        for r in ranks:
+            pid = self.pids[r]
+            if pid is not None and self.alive(r):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+        texts = {r: b"" for r in ranks}
+        pending = {self._stack_ends[r]: r for r in ranks if r in self._stack_ends}
+        deadline = time.monotonic() + seconds
+        while pending and time.monotonic() < deadline:
+            # Once every rank has written something, a quiet 0.1 s means the dumps are complete.
+            quiet = 0.1 if all(texts.values()) else deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(list(pending), max(quiet, 0))
+            if not ready and all(texts.values()):
+                break
+            for conn in ready:
+                chunk = _read_chunk(conn)
+                texts[pending[conn]] += chunk
+                if not chunk:  # EOF: the rank is gone
+                    del pending[conn]
+        return {r: t.decode("utf-8", "replace") for r, t in texts.items()}
+
     # -- stopping -------------------------------------------------------------------------------
 
     def stop(self) -> None:
@@ -264,7 +292,7 @@ class RankSet:
         self.stopped = True
         for _, p in self._open_processes():
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, 9)  # rank_entry made pid its process-group id
+                os.killpg(p.pid, signal.SIGKILL)  # rank_entry made pid its process-group id
             if p.is_alive():  # killed before setsid ran: its group was still ours
                 p.kill()
         self.reap(5)
@@ -291,12 +319,14 @@ class RankSet:
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
-        for conn in [*self.ends, *self.commands.values(), *self.controls.values()]:
+        for conn in [*self.ends, *self.commands.values(), *self.controls.values(),
+                     *self._stack_ends.values()]:
             with contextlib.suppress(OSError):
                 conn.close()
         self.ends.clear()
         self.commands.clear()
         self.controls.clear()
+        self._stack_ends.clear()
         for path in getattr(self.context, "error_files", []) or []:
             with contextlib.suppress(FileNotFoundError, TypeError):
                 os.unlink(path)
@@ -306,6 +336,13 @@ class RankSet:
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
+
+
+def _read_chunk(conn) -> bytes:
+    try:
+        return os.read(conn.fileno(), 65536)
+    except OSError:
+        return b""
 
 
 def _prepare_start_server(start_method: str) -> None:

@@ -111,3 +111,36 @@ def shorten_paths(text: str) -> str:
         return shorten_path(path) if os.path.isabs(path) else path
 
     return re.sub(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]+", one, text)
+
+
+_DUMP_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+def main_thread_stack(dump: str) -> str:
+    """The rank's main thread, from a faulthandler dump of every thread, as a short stack:
+    most recent call last, the kit's plumbing dropped, library frames folded into one line
+    naming the innermost function (e.g. "... inside torch: barrier")."""
+    blocks = re.split(r"\n\s*\n|\n(?=(?:Current thread|Thread) 0x)", dump.strip())
+    main = next((b for b in blocks if " in rank_entry" in b), "")
+    frames = _DUMP_FRAME.findall(main)[::-1]  # faulthandler prints the newest frame first
+    names = [fn for _, _, fn in frames]
+    frames = frames[names.index("rank_entry") + 1:] if "rank_entry" in names else frames
+    out: list[str] = []
+    folded: tuple[str, str] | None = None  # (library, innermost function) being folded
+    for path, line, fn in frames:
+        kind, lib = _classify(path)
+        if kind == "library":
+            if folded and folded[0] != lib:
+                out.append(f"  ... inside {folded[0]}: {folded[1]}")
+                folded = None
+            keep = fn if fn not in ("wrapper", "<module>") else (folded[1] if folded else fn)
+            folded = (lib, keep)
+            continue
+        if folded:
+            out.append(f"  ... inside {folded[0]}: {folded[1]}")
+            folded = None
+        if kind == "user":
+            out.append(f'  File "{shorten_path(path)}", line {line}, in {fn}')
+    if folded:
+        out.append(f"  ... inside {folded[0]}: {folded[1]}")
+    return "\n".join(out)

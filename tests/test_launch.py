@@ -46,6 +46,14 @@ def test_output_relayed_with_rank_prefix_including_fd_writes(capsys, no_leftover
         assert f"[rank {r}] python stderr {r}" in err
 
 
+def test_a_callable_output_receives_each_line_with_rank_and_stream(capsys, no_leftovers):
+    lines = []
+    dh.launch(rank_fns.talk, nprocs=2, timeout=60, output=lambda *a: lines.append(a))
+    assert (0, "stdout", "python stdout 0") in lines
+    assert (1, "stderr", "python stderr 1") in lines
+    assert capsys.readouterr().out == ""  # nothing printed: the sink had every line
+
+
 def test_by_rank_output_is_grouped_rank_zero_first(capsys, no_leftovers):
     dh.launch(rank_fns.talk, nprocs=2, timeout=60, output="by_rank")
     out, _ = capsys.readouterr()
@@ -127,6 +135,16 @@ def test_timeout_names_unfinished_ranks_and_their_last_lines(no_leftovers):
         dh.launch(rank_fns.rank_one_skips_barrier, args=(2,), nprocs=2, timeout=5)
     assert e.value.last_lines[0] == "rank 0 waiting in the barrier"
     assert e.value.last_lines[1] == "rank 1 sleeping instead of the barrier"
+
+
+def test_timeout_shows_where_each_rank_was(no_leftovers):
+    with pytest.raises(dh.LaunchTimeout) as e:
+        dh.launch(rank_fns.rank_one_skips_barrier, args=(2,), nprocs=2, timeout=5)
+    stacks = e.value.stacks
+    assert "in rank_one_skips_barrier" in stacks[0] and "inside torch: barrier" in stacks[0]
+    assert "in rank_one_skips_barrier" in stacks[1] and "inside torch" not in stacks[1]
+    assert "Where each rank was when it was stopped" in str(e.value)
+    assert "_rank.py" not in str(e.value)  # the kit's plumbing is left out
 
 
 def test_results_of_finished_ranks_survive_a_failure(no_leftovers):

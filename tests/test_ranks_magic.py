@@ -46,6 +46,14 @@ def test_targets_and_by_rank_output(shell, capsys):
     assert "[rank 1] only me" in out and "[rank 0] only me" not in out
 
 
+def test_start_with_env_sets_it_for_the_ranks_only(shell):
+    run(shell, "%ranks start 2 --output none --env TORCH_DISTRIBUTED_DEBUG=DETAIL --env X=a=b")
+    assert run(shell, "%%ranks --return v\nimport os\nv = (os.environ['X'], "
+                      "str(dist.get_debug_level()))") is None
+    assert shell.user_ns["v"] == [("a=b", "DebugLevel.DETAIL")] * 2
+    assert "X" not in __import__("os").environ
+
+
 def test_status_stop_and_restart(shell, capsys):
     run(shell, "%ranks start 2 --output none")
     run(shell, "s = %ranks status")
@@ -83,7 +91,7 @@ def test_bad_cell_options_are_refused_before_anything_runs(shell, cell, match):
 @pytest.mark.parametrize("line, match", [
     ("%ranks start", "say how many ranks"), ("%ranks start two", "whole number"),
     ("%ranks start 0", "at least 1 rank"), ("%ranks start 100000", "more than this machine"),
-    ("%ranks launch 2", "invalid choice"),
+    ("%ranks launch 2", "invalid choice"), ("%ranks start 2 --env X", "write NAME=VALUE"),
 ])
 def test_bad_start_lines_are_refused(shell, line, match):
     err = run(shell, line)
