@@ -1,4 +1,4 @@
-"""The command line: `python -m ddp_helpers {hello,check,mnist} ...`."""
+"""The command line: `python -m ddp_helpers {hello,mnist} ...`."""
 
 from __future__ import annotations
 

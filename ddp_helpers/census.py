@@ -27,12 +27,15 @@ def rank_descendants() -> list[psutil.Process]:
     return [p for p in found if is_alive(p)]
 
 
-def wait_for_no_descendants(seconds: float = 5.0) -> list[psutil.Process]:
-    """Rank processes still alive after up to `seconds`."""
+def wait_for_no_descendants(seconds: float = 5.0, ignore: set[int] | frozenset = frozenset()
+                            ) -> list[psutil.Process]:
+    """Rank processes (other than the pids in `ignore`) still alive after up to `seconds`."""
     deadline = time.monotonic() + seconds
-    while (left := rank_descendants()) and time.monotonic() < deadline:
+    while True:
+        left = [p for p in rank_descendants() if p.pid not in ignore]
+        if not left or time.monotonic() >= deadline:
+            return left
         time.sleep(0.05)
-    return left
 
 
 def is_alive(p: psutil.Process) -> bool:

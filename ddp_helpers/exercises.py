@@ -155,11 +155,14 @@ def load_attempt(name: str) -> ModuleType | None:
         return None
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))  # the ranks get this sys.path from launch
-    module_name = f"{ATTEMPTS}.{name}"
+    # Import afresh every time: the learner edits the file between checks, and another
+    # notebook folder may hold another attempts/ (the module's cached path would be stale).
+    for cached in [m for m in sys.modules if m == ATTEMPTS or m.startswith(ATTEMPTS + ".")]:
+        del sys.modules[cached]
+    for stale in (folder / "__pycache__").glob(f"{name}.*.pyc"):
+        stale.unlink()  # an edit within the same second could otherwise reuse the old bytecode
     importlib.invalidate_caches()
-    if module_name in sys.modules:
-        return importlib.reload(sys.modules[module_name])  # pick up edits between runs
-    return importlib.import_module(module_name)
+    return importlib.import_module(f"{ATTEMPTS}.{name}")
 
 
 def require(namespace_or_module, *names: str):
@@ -231,9 +234,13 @@ def reveal(name: str) -> None:
     click open; plain-text front ends (and nbval) see only that line."""
     from IPython.display import display
 
-    source = solution_source(name)
+    display(reveal_bundle(name), raw=True)
+
+
+def reveal_bundle(name: str) -> dict[str, str]:
+    """The display data dh.reveal shows: a <details> element, and its one-line text form."""
     summary = f"Solution to {name} (click to show)"
-    display({"text/plain": f"{summary}: in JupyterLab, click it; elsewhere, "
-                           f"print(dh.solution_source({name!r}))",
-             "text/html": f"<details><summary>{html.escape(summary)}</summary>"
-                          f"<pre>{html.escape(source)}</pre></details>"}, raw=True)
+    return {"text/plain": f"{summary}: in JupyterLab, click it; elsewhere, "
+                          f"print(dh.solution_source({name!r}))",
+            "text/html": f"<details><summary>{html.escape(summary)}</summary>"
+                         f"<pre>{html.escape(solution_source(name))}</pre></details>"}

@@ -31,9 +31,6 @@ def max_procs() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
-BACKEND_VAR = "DDP_HELPERS_BACKEND"  # set by launch(backend=...) for every rank of one run
-
-
 def check_launch(fn, args, nprocs, timeout, start_method, output, *, env=None, backend=None,
                  master_port=None) -> tuple[bytes, dict[str, str], int | None]:
     """Validate everything checkable in the parent, before any process starts.
@@ -94,7 +91,7 @@ def check_backend(backend: str | None, nprocs: int) -> dict[str, str]:
     """Refuse an unknown backend, or nccl without GPUs; return the variable that forces it."""
     if backend is None:
         return {}
-    from .runtime import choose_backend  # late: runtime imports torch.distributed
+    from .runtime import BACKEND_VAR, choose_backend  # late: runtime imports torch.distributed
 
     try:
         chosen = choose_backend(backend, nprocs)[0]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DEVICES = (None, "cpu", "cuda")
-_BACKEND_VAR = "DDP_HELPERS_BACKEND"  # set by launch(backend=...) for every rank of one run
+BACKEND_VAR = "DDP_HELPERS_BACKEND"  # set by launch(backend=...) for every rank of one run
 
 
 def available_backends() -> list[str]:
@@ -184,7 +184,7 @@ def process_group(rank: int | None = None, world_size: int | None = None, backen
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if backend == "auto":
-        backend = os.environ.get(_BACKEND_VAR, "auto")
+        backend = os.environ.get(BACKEND_VAR, "auto")
     _check_rendezvous_env(init_method, rank)
     name, kind, why = _choose_on_rank(backend, world_size, local_world, rank, device)
     where = _place_rank(kind, local_rank, local_world)

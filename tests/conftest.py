@@ -1,4 +1,4 @@
-"""Shared fixtures: count the processes a test leaves behind."""
+"""Shared fixtures: no test leaves a rank process behind, checked for every test."""
 
 import pytest
 
@@ -15,9 +15,37 @@ def wait_no_rank_processes(seconds: float = 5.0):
     return wait_for_no_descendants(seconds)
 
 
+def _describe(procs) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            out.append(" ".join(p.cmdline())[:120])
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            out.append(str(p.pid))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_by_the_test():
+    """Every test: the processes it started (ranks, their workers, torchrun, servers) are gone
+    when it ends. Those of module-scoped fixtures start before this snapshot."""
+    before = {p.pid for p in rank_descendants()}
+    yield
+    left = wait_for_no_descendants(ignore=before)
+    assert not left, f"processes left behind: {_describe(left)}"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_left_by_the_module():
+    """Every test file: nothing is left once its module-scoped fixtures are torn down."""
+    yield
+    left = wait_for_no_descendants()
+    assert not left, f"processes left behind by this test file: {_describe(left)}"
+
+
 @pytest.fixture
 def no_leftovers():
-    """Fail the test if any rank (or rank's child) outlives it."""
+    """Fail the test if any rank (or rank's child) outlives it, whoever started it."""
     yield
     alive = wait_for_no_descendants()
-    assert not alive, f"processes left behind: {[p.cmdline() for p in alive]}"
+    assert not alive, f"processes left behind: {_describe(alive)}"

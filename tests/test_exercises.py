@@ -1,0 +1,124 @@
+"""Every exercise the notebooks name, checked three ways: the kit's solution PASSes, no answer
+is NOT ATTEMPTED, and a wrong answer (every function of the solution returning None, or a
+plausible wrong prediction) FAILs. Never a PASS the learner did not earn."""
+
+import inspect
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import ddp_helpers as dh
+from ddp_helpers import exercises
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("[0-9]*.ipynb"))
+CHECK_CALL = re.compile(r"""^dh\.check\(\s*["'](\w+)["']\s*(?:,\s*\w+\s*)?\)\s*$""")
+RANKS = 2
+
+
+def check_cells() -> dict[str, str]:
+    """exercise name -> notebook, for every `dh.check("name"...)` cell of every notebook."""
+    found = {}
+    for nb in NOTEBOOKS:
+        for cell in json.loads(nb.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] == "code" and "dh.check(" in source:
+                code = [ln for ln in source.splitlines() if ln.strip() and
+                        not ln.lstrip().startswith("#")]
+                assert len(code) == 1 and CHECK_CALL.match(code[0]), (
+                    f"{nb.name}: a check cell is exactly one dh.check(...) call, got {source!r}")
+                found[CHECK_CALL.match(code[0]).group(1)] = nb.name
+    return found
+
+
+NAMED = check_cells()
+
+
+def test_every_notebook_exercise_is_registered_and_every_registered_one_is_set():
+    registered = exercises.all_exercises()
+    assert sorted(NAMED) == sorted(registered), (
+        f"named in notebooks only: {sorted(set(NAMED) - set(registered))}; "
+        f"registered only: {sorted(set(registered) - set(NAMED))}")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with dh.Ranks(RANKS, output="none", timeout=60) as p:
+        yield p
+
+
+def public_functions(module) -> list[str]:
+    return [n for n, f in inspect.getmembers(module, inspect.isfunction)
+            if not n.startswith("_") and f.__module__ == module.__name__]
+
+
+def give(name: str, kind: str, source: str | None, folder: Path, pool) -> None:
+    """Put `source` where the learner's answer goes (None: no answer at all)."""
+    if kind == "file":
+        target = folder / exercises.ATTEMPTS / f"{name}.py"
+        target.parent.mkdir(exist_ok=True)
+        target.unlink(missing_ok=True)
+        if source is not None:
+            target.write_text(source)
+    elif kind == "ranks":
+        names = public_functions(exercises.solution_module(name))
+        pool.run(f"for _n in {names!r}:\n    globals().pop(_n, None)")
+        if source is not None:
+            pool.run(source)
+
+
+def wrong_source(name: str) -> str:
+    return "\n".join(f"def {fn}(*args, **kwargs):\n    return None\n"
+                     for fn in public_functions(exercises.solution_module(name)))
+
+
+def verdict(name, kind, source, tmp_path, monkeypatch, pool, answer=None):
+    monkeypatch.chdir(tmp_path)
+    if kind == "prediction":
+        return exercises.evaluate(name, answer)
+    give(name, kind, source, tmp_path, pool)
+    return exercises.evaluate(name, pool=pool)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_the_kits_solution_passes(name, tmp_path, monkeypatch, pool):
+    ex = exercises.find(name)
+    solution = exercises.solution_module(name)
+    answer = getattr(solution, "answer", None)
+    got = verdict(name, ex.kind, exercises.solution_source(name), tmp_path, monkeypatch, pool,
+                  answer=answer)
+    assert got.outcome == "PASS", got.line
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_no_answer_is_not_attempted(name, tmp_path, monkeypatch, pool, capsys):
+    ex = exercises.find(name)
+    monkeypatch.chdir(tmp_path)
+    if ex.kind != "prediction":
+        give(name, ex.kind, None, tmp_path, pool)
+    dh.check(name, None) if ex.kind == "prediction" else dh.check(name, pool=pool)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"NOT ATTEMPTED {name}:"), line
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_a_wrong_answer_fails(name, tmp_path, monkeypatch, pool):
+    ex = exercises.find(name)
+    got = verdict(name, ex.kind, wrong_source(name), tmp_path, monkeypatch, pool,
+                  answer=ex.wrong_answer)
+    assert got.outcome in ("FAIL", "NOT ATTEMPTED"), got.line
+    assert got.outcome == "FAIL" or ex.kind == "prediction", got.line
+
+
+def test_attempts_folder_is_made_on_first_use(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert exercises.load_attempt("anything") is None
+    assert (tmp_path / "attempts").is_dir()
+
+
+def test_reveal_folds_the_solution_away():
+    bundle = exercises.reveal_bundle("naive_all_reduce")
+    assert bundle["text/html"].startswith("<details><summary>Solution to naive_all_reduce")
+    assert "def naive_all_reduce" in bundle["text/html"]
+    assert "def naive_all_reduce" not in bundle["text/plain"]  # nbval's view: the summary only
