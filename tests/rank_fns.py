@@ -79,11 +79,31 @@ def group_destroyed_after_error(rank, world_size):
     return dist.is_initialized()
 
 
-def finish_then_other_raises(rank):
+def finish_then_other_raises(rank, pid_file):
+    """Rank 0 returns; rank 1 raises only once rank 0's process has exited (its result sent)."""
     if rank == 1:
-        time.sleep(0.5)
+        # Not a fixed sleep: on a loaded machine rank 0 may not even have started by then.
+        import psutil
+
+        while not os.path.exists(pid_file):
+            time.sleep(0.02)
+        with open(pid_file) as f:
+            rank0 = int(f.read())
+        while _running(rank0, psutil):
+            time.sleep(0.02)
         raise KeyError("late failure")
+    tmp = f"{pid_file}.tmp"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, pid_file)  # whole or absent: rank 1 never reads half a number
     return "rank 0 finished"
+
+
+def _running(pid, psutil):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def returns_unpicklable(rank):
@@ -145,14 +165,15 @@ def save_twice_killed_mid_second_save(rank, world_size, path):
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from ddp_helpers.lessons import mnist
+    from ddp_helpers.lessons import mnist_two_gpus as mnist
 
+    cfg = mnist.MnistConfig(checkpoint=path)
     with dh.process_group(rank, world_size, verbose=False):
         model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
         with torch.no_grad():
             model[1].bias.fill_(1.0)
         ddp = DistributedDataParallel(model)
-        mnist.save_checkpoint(ddp, path, rank)
+        mnist.save_checkpoint(ddp, cfg, rank)
         with torch.no_grad():
             model[1].bias.fill_(2.0)
         real_save = torch.save
@@ -164,4 +185,4 @@ def save_twice_killed_mid_second_save(rank, world_size, path):
             os.kill(os.getpid(), signal.SIGKILL)
 
         torch.save = save_then_die
-        mnist.save_checkpoint(ddp, path, rank)
+        mnist.save_checkpoint(ddp, cfg, rank)

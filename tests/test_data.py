@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +22,10 @@ from torchvision.datasets import MNIST
 from ddp_helpers import data, digits
 
 GZ = [f"{name}.gz" for pair in digits.FILES.values() for name in pair]
+ROOT = Path(__file__).resolve().parents[1]
+STANDIN_LINE = ("data: offline stand-in digits (MNIST's format and sizes, not MNIST): "
+                "$DDP_HELPERS_STANDIN asks for it (the test command's setting, so that compared "
+                "notebook outputs never depend on what a machine has downloaded)")
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +205,108 @@ def test_mirrors_come_from_the_environment(monkeypatch):
     assert data.mirrors() == ["http://a.example/m/", "http://b.example/n/"]
     monkeypatch.delenv(data.MIRROR_ENV)
     assert data.mirrors() == list(MNIST.mirrors)
+
+
+# ---------------------------------------------------------------- the notebook checks' data
+
+
+def plant_other_mnist(raw: Path) -> None:
+    """An MNIST-format data set that is not the stand-in: its images, with the labels shuffled."""
+    raw.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for images, labels in digits.FILES.values():
+        shutil.copy(offline_raw() / images, raw / images)
+        shutil.copy(offline_raw() / f"{images}.gz", raw / f"{images}.gz")
+        ours = np.frombuffer((offline_raw() / labels).read_bytes()[8:], dtype=np.uint8)
+        idx = digits.idx_bytes(rng.permutation(ours))
+        (raw / labels).write_bytes(idx)
+        (raw / f"{labels}.gz").write_bytes(digits.gzip_bytes(idx))
+
+
+def notebook_check_env() -> dict[str, str]:
+    """The variables `make test` sets for its nbval step, read from the Makefile's own command."""
+    dry = subprocess.run(["make", "-n", "-s", "test"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    (line,) = [ln for ln in dry.stdout.splitlines() if "--nbval" in ln]
+    env = {}
+    for word in shlex.split(line):
+        if not re.fullmatch(r"[A-Z_]+=.*", word):
+            break
+        name, value = word.split("=", 1)
+        env[name] = value
+    assert data.STANDIN_ENV in env and data.ROOT_ENV in env, line
+    return env
+
+
+def test_standin_switch_ignores_mnist_in_the_root(tmp_path, source, mirror_dir, monkeypatch):
+    plant_other_mnist(tmp_path / "data" / "MNIST" / "raw")
+    monkeypatch.delenv(data.STANDIN_ENV, raising=False)
+    found = data.prepare_data(tmp_path / "data", download=False, verbose=False)
+    assert found.kind == "mnist"  # without the switch the planted set is what a run would use
+    planted = data.mnist_tensors(found, train=False)[1]
+    assert not torch.equal(planted, data.mnist_tensors(source, train=False)[1])
+    monkeypatch.setenv(data.STANDIN_ENV, "1")
+    with MirrorServer(mirror_dir.parent) as server:
+        monkeypatch.setenv(data.MIRROR_ENV, server.url)
+        got = data.prepare_data(tmp_path / "data", download=True, verbose=False)
+        assert server.requests == []  # the switch also means: never the network
+    assert got.kind == "offline" and got.describe() == STANDIN_LINE
+    assert torch.equal(data.mnist_tensors(got, train=False)[1],
+                       data.mnist_tensors(source, train=False)[1])
+
+
+def test_standin_line_names_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(data.STANDIN_ENV, "1")
+    lines = set()
+    for name in ("one", "two"):
+        shutil.copytree(offline_raw(), tmp_path / name / "OfflineDigits" / "raw")
+        lines.add(data.prepare_data(tmp_path / name, verbose=False).describe())
+    assert lines == {STANDIN_LINE}  # the same on every machine, whatever the data root
+
+
+def copy_of_the_kit(tmp_path: Path) -> Path:
+    """The package and pyproject.toml in a folder of their own, whose data/ is the default root."""
+    kit = tmp_path / "kit"
+    shutil.copytree(ROOT / "ddp_helpers", kit / "ddp_helpers",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", kit)
+    return kit
+
+
+def kit_env(kit: Path, extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDP_HELPERS_")}
+    return {**env, "PYTHONPATH": str(kit), data.OFFLINE_ENV: "1", **extra}
+
+
+def test_notebook_checks_use_the_standin_over_mnist_where_the_kit_finds_it(tmp_path):
+    kit = copy_of_the_kit(tmp_path)
+    plant_other_mnist(kit / "data" / "MNIST" / "raw")  # the default place: <checkout>/data
+    own_root = tmp_path / "notebook-data"  # the Makefile's root lives in .venv: one of ours
+    plant_other_mnist(own_root / "MNIST" / "raw")  # even MNIST in the checks' own root is ignored
+    shutil.copytree(offline_raw(), own_root / "OfflineDigits" / "raw")
+    show = ("from ddp_helpers import data; s = data.prepare_data(verbose=False); "
+            "print(s.kind, s.root)")
+    plain = subprocess.run([sys.executable, "-c", show], cwd=kit, env=kit_env(kit, {}),
+                           capture_output=True, text=True, timeout=120)
+    assert plain.stdout.split() == ["mnist", str((kit / "data").resolve())], plain.stderr
+    checks = {**notebook_check_env(), data.ROOT_ENV: str(own_root)}
+    standin = subprocess.run([sys.executable, "-c", show], cwd=kit, env=kit_env(kit, checks),
+                             capture_output=True, text=True, timeout=120)
+    assert standin.stdout.split() == ["offline", str(own_root.resolve())], standin.stderr
+
+
+@pytest.mark.slow
+def test_a_notebook_style_run_under_the_checks_env_trains_on_the_standin(tmp_path):
+    kit = copy_of_the_kit(tmp_path)
+    plant_other_mnist(kit / "data" / "MNIST" / "raw")
+    own_root = tmp_path / "notebook-data"
+    shutil.copytree(offline_raw(), own_root / "OfflineDigits" / "raw")
+    checks = {**notebook_check_env(), data.ROOT_ENV: str(own_root)}
+    run = subprocess.run([sys.executable, "-m", "ddp_helpers.mnist", "--nprocs", "2",
+                          "--epochs", "1", "--train-subset", "2000", "--memory",
+                          "--out", str(tmp_path / "run")], cwd=kit, env=kit_env(kit, checks),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert STANDIN_LINE in run.stdout.splitlines()
+    accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", run.stdout).group(1))
+    assert accuracy > 0.3  # the planted set's shuffled labels would leave it near 0.1

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ddp_helpers as dh
-from ddp_helpers.lessons import setup_check
-from ddp_helpers.solutions import sum_of_squares
+from ddp_helpers.lessons import check_your_setup as setup_check
+from ddp_helpers.plots import check_your_setup as plots
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,13 @@ def test_verdict_names_the_failed_check(report):
 def test_version_parsing_ignores_local_suffixes():
     assert setup_check._version_tuple("2.14.1+cu130") == (2, 14)
     assert setup_check._version_tuple("2.5.0a0+git123") == (2, 5)
-    assert setup_check._version_tuple("2.4.0") >= setup_check.MIN_TORCH
+    assert setup_check._version_tuple("2.9.1", parts=3) >= setup_check.MIN_TORCH
+    assert setup_check._version_tuple("2.9.0", parts=3) < setup_check.MIN_TORCH
 
 
-def test_sum_of_squares_solution():
-    got = dh.launch(sum_of_squares.sum_of_squares, args=(3,), nprocs=3, output="none")
-    assert got == [14.0, 14.0, 14.0]
+def test_the_figure_has_a_bar_per_rank_before_and_after():
+    results = dh.launch(setup_check.two_rank_all_reduce, args=(2,), nprocs=2, output="none")
+    fig = plots.before_after_plot(results)
+    before, after = fig.axes
+    assert [p.get_height() for p in before.patches] == [1.0, 2.0]
+    assert [p.get_height() for p in after.patches] == [3.0, 3.0]

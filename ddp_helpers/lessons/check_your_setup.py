@@ -1,4 +1,4 @@
-"""Lesson 00: what this machine has, what the kit chooses, and a summary to paste into a question.
+"""Lesson 00 (notebooks/00_check_your_setup.ipynb): what this machine has, what the kit chooses, and a summary to paste into a question.
 
 Everything here runs in the parent except `two_rank_all_reduce`, which the ranks run. GPU facts
 come from torch.cuda.device_count and nvidia-smi, never from a CUDA context in the kernel.
@@ -6,8 +6,10 @@ come from torch.cuda.device_count and nvidia-smi, never from a CUDA context in t
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -15,18 +17,45 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ddp_helpers.checks import case
+from ddp_helpers.exercises import exercise_check, require
+from ddp_helpers.launch import launch
 from ddp_helpers.runtime import available_backends, choose_backend, gpu_count, process_group
 
-MIN_PYTHON = (3, 10)
-MIN_TORCH = (2, 4)
+DIST = "ddp-helpers"  # the kit's distribution name, whose metadata states its floors
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in text.split("+")[0].split(".")[:2]:
+def _version_tuple(text: str, parts: int = 2) -> tuple[int, ...]:
+    """(major, minor) of "2.14.1+cu130"; parts=3 keeps the patch level too."""
+    found = []
+    for piece in text.split("+")[0].split(".")[:parts]:
         digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+        found.append(int(digits or 0))
+    return tuple(found + [0] * (parts - len(found)))
+
+
+def floors() -> dict[str, str]:
+    """The lowest Python, torch and torchvision the installed kit requires, from its metadata.
+
+    Read from what pip installed (pyproject.toml's ranges), so the floor is stated in one place;
+    {} when the kit is not installed (run from a bare checkout: `pip install -e .` fixes that).
+    """
+    try:
+        meta = importlib.metadata.metadata(DIST)
+        requires = importlib.metadata.requires(DIST) or []
+    except importlib.metadata.PackageNotFoundError:
+        return {}
+    found = {"python": (meta.get("Requires-Python") or "").removeprefix(">=").strip()}
+    for req in requires:
+        m = re.fullmatch(r"(torch|torchvision)\s*>=\s*([0-9.]+)", req.split(";")[0].strip())
+        if m:
+            found[m.group(1)] = m.group(2)
+    return {name: version for name, version in found.items() if version}
+
+
+_FLOORS = floors()
+MIN_PYTHON = _version_tuple(_FLOORS.get("python", "0"))
+MIN_TORCH = _version_tuple(_FLOORS.get("torch", "0"), parts=3)  # 2.9.1: a patch release counts
 
 
 def versions() -> dict:
@@ -109,9 +138,10 @@ def two_rank_all_reduce(rank: int, world_size: int) -> dict:
     """Each rank contributes rank + 1; after all_reduce every rank should hold the sum."""
     with process_group(rank, world_size) as device:
         t = torch.full((3,), float(rank + 1), device=device)
+        before = t.cpu().clone()
         dist.all_reduce(t)
         return {"rank": dist.get_rank(), "backend": dist.get_backend(),
-                "device": device.type, "result": t.cpu()}
+                "device": device.type, "before": before, "result": t.cpu()}
 
 
 def expected_sum(world_size: int) -> float:
@@ -123,10 +153,16 @@ def checks(report: dict, results: list[dict] | None) -> list[tuple[str, bool, st
     """(what, passed, detail) for each requirement of the kit."""
     v = report["versions"]
     py_ok = sys.version_info[:2] >= MIN_PYTHON
-    torch_ok = _version_tuple(v["torch"]) >= MIN_TORCH
+    torch_ok = _version_tuple(v["torch"], parts=3) >= MIN_TORCH
+    if "torch" in _FLOORS:
+        torch_check = (f"torch {_FLOORS['torch']} or newer", torch_ok, v["torch"])
+    else:  # no metadata to read the floor from
+        torch_check = ("torch at the kit's floor", False,
+                       f"{v['torch']}; the kit is not installed, so its floor is unknown: "
+                       "run `pip install -e .` in the checkout")
     out = [
-        ("Python 3.10 or newer", py_ok, v["python"]),
-        ("torch 2.4 or newer", torch_ok, v["torch"]),
+        (f"Python {_FLOORS.get('python', '?')} or newer", py_ok, v["python"]),
+        torch_check,
         ("torch.distributed available", dist.is_available(), ""),
         ("gloo backend available", report["backends"]["gloo"], "every lesson can run on CPU"),
         ("at least 2 usable CPU cores", (report["cpu"]["usable by this process"] or 1) >= 2,
@@ -170,3 +206,26 @@ def verdict(report: dict, results: list[dict] | None) -> str:
         return f"all {len(found)} checks passed: this machine is ready for the lessons"
     return (f"{len(failed)} of {len(found)} checks failed: {', '.join(failed)}. Paste the "
             "summary above into your question.")
+
+
+# -- exercises --------------------------------------------------------------------------------
+
+@exercise_check("sum_of_squares", "file")
+def check_sum_of_squares(module) -> list:
+    """The learner's sum_of_squares(rank, world_size), launched on 2 and on 3 ranks."""
+    fn = require(module, "sum_of_squares")
+    cases = []
+    for n in (2, 3):
+        got = launch(fn, args=(n,), nprocs=n, timeout=120, output="none")
+        want = float(sum((r + 1) ** 2 for r in range(n)))
+        cases.append(case(f"{n} ranks", got, [want] * n))
+    return cases
+
+
+@exercise_check("three_rank_sum", "prediction", wrong_answer=3.0)
+def check_three_rank_sum(predicted) -> list:
+    """The learner's prediction of what every rank holds after two_rank_all_reduce on 3 ranks,
+    checked against a real run."""
+    results = launch(two_rank_all_reduce, args=(3,), nprocs=3, timeout=120, output="none")
+    return [case(f"rank {r['rank']}", float(predicted), r["result"][0].item())
+            for r in results]
