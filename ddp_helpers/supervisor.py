@@ -221,10 +221,14 @@ class RankSet:
                 knock_on = looks_like_peer_failure(report[1], report[2])
                 candidates.append(Failure(Priority.KNOCK_ON if knock_on else Priority.ROOT_CAUSE,
                                           rank, True))
-        for rank in self.exitcodes:
-            if rank not in self.reports or self.persistent or self.exitcodes[rank] != 0:
+        for rank, code in self.exitcodes.items():
+            if rank not in self.reports or self.persistent or code != 0:
                 if self.reports.get(rank, ("",))[0] != "error":
-                    candidates.append(Failure(Priority.DIED, rank, False))
+                    # gloo aborts a rank whose peer vanished mid-collective: a SIGABRT is most
+                    # often a consequence, so a peer's SIGKILL or segfault is reported first.
+                    aborted = code == -signal.SIGABRT
+                    candidates.append(Failure(Priority.KNOCK_ON if aborted else Priority.DIED,
+                                              rank, False))
         return min(candidates, key=lambda f: (f.priority, f.rank)) if candidates else None
 
     def all_exited(self) -> bool:

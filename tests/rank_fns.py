@@ -186,3 +186,20 @@ def save_twice_killed_mid_second_save(rank, world_size, path):
 
         torch.save = save_then_die
         mnist.save_checkpoint(ddp, cfg, rank)
+
+
+def abort_after_peer_killed(rank, world_size):
+    """Rank 1 is SIGKILLed as rank 0 aborts, as gloo may abort a rank whose peer vanished."""
+    with dh.process_group(rank, world_size, verbose=False):
+        dist.barrier()  # both at the same point, so the two deaths come together
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.abort()
+
+
+def abort_alone(rank, world_size):
+    """Only rank 1 aborts; rank 0 waits for it in a barrier."""
+    with dh.process_group(rank, world_size, verbose=False):
+        if rank == 1:
+            os.abort()
+        dist.barrier()

@@ -137,6 +137,16 @@ def test_timeout_names_unfinished_ranks_and_their_last_lines(no_leftovers):
     assert e.value.last_lines[1] == "rank 1 sleeping instead of the barrier"
 
 
+def test_a_peer_abort_does_not_hide_the_rank_that_was_killed(no_leftovers):
+    with pytest.raises(dh.RankDied, match=r"rank 1 of 2 was killed by signal SIGKILL"):
+        dh.launch(rank_fns.abort_after_peer_killed, args=(2,), nprocs=2, timeout=60)
+
+
+def test_an_abort_alone_is_reported(no_leftovers):
+    with pytest.raises(dh.RankDied, match=r"rank 1 of 2 was killed by signal SIGABRT"):
+        dh.launch(rank_fns.abort_alone, args=(2,), nprocs=2, timeout=60)
+
+
 def test_timeout_shows_where_each_rank_was(no_leftovers):
     with pytest.raises(dh.LaunchTimeout) as e:
         dh.launch(rank_fns.rank_one_skips_barrier, args=(2,), nprocs=2, timeout=5)
