@@ -130,20 +130,20 @@ def _run_on_ranks(ex: Exercise, pool) -> list[Case]:
         per_rank = pool.run(code, output="none")
     except LaunchError as e:
         raise RuntimeError(f"the ranks failed while checking: {str(e).splitlines()[0]}") from e
-    if any(r is None for r in per_rank):
-        raise NotAttempted(f"define {ex.name} in a %%ranks cell (on every rank), then run this "
-                           "check (dh.reveal shows the kit's solution)")
+    reasons = [r for r in per_rank if isinstance(r, str)]
+    if reasons:  # a rank had nothing to check: say why, as that rank said it
+        raise NotAttempted(f"{reasons[0]} (in a %%ranks cell, so that every rank has it)")
     return [Case(f"rank {r}: {c.label}", c.ok, c.detail)
             for r, cases in enumerate(per_rank) for c in cases]
 
 
-def on_rank(name: str, namespace: dict) -> list[Case] | None:
-    """Run a "ranks" check on this rank (called by dh.check through the ranks); None: no
-    answer here."""
+def on_rank(name: str, namespace: dict) -> list[Case] | str:
+    """Run a "ranks" check on this rank (called by dh.check through the ranks); a string says
+    why there was nothing to check here."""
     try:
         return find(name).check(namespace)
-    except NotAttempted:
-        return None
+    except NotAttempted as e:
+        return str(e)
 
 
 def load_attempt(name: str) -> ModuleType | None:

@@ -74,8 +74,8 @@ def free_port(addr: str = "127.0.0.1") -> int:
 
 
 def _give_up(failure: Failure, settled: bool) -> bool:
-    # A knock-on error ("connection closed by peer") waits briefly for its root cause.
-    return failure.priority != Priority.KNOCK_ON or settled
+    # A knock-on error ("connection closed by peer") or an abort waits briefly for its cause.
+    return failure.priority < Priority.ABORTED or settled
 
 
 def _finish(ranks: RankSet, drain: float) -> None:

@@ -326,7 +326,7 @@ class _Watch:
 
 def _starting_give_up(failure: Failure, settled: bool) -> bool:
     # While the ranks set up, any failure ends the start (a knock-on one after the settle).
-    return failure.priority != Priority.KNOCK_ON or settled
+    return failure.priority < Priority.ABORTED or settled
 
 
 def _reason(outcome: str, failure: Failure | None) -> str:

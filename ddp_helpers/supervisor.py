@@ -42,7 +42,8 @@ class Priority(enum.IntEnum):
 
     ROOT_CAUSE = 0  # a rank raised an error of its own
     DIED = 1  # a rank exited without a report: a signal, os._exit
-    KNOCK_ON = 2  # a rank raised because a peer failed first (connection closed, timed out)
+    ABORTED = 2  # a rank died of SIGABRT: gloo aborts a rank whose peer vanished
+    KNOCK_ON = 3  # a rank raised because a peer failed first (connection closed, timed out)
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ class RankSet:
                     # gloo aborts a rank whose peer vanished mid-collective: a SIGABRT is most
                     # often a consequence, so a peer's SIGKILL or segfault is reported first.
                     aborted = code == -signal.SIGABRT
-                    candidates.append(Failure(Priority.KNOCK_ON if aborted else Priority.DIED,
+                    candidates.append(Failure(Priority.ABORTED if aborted else Priority.DIED,
                                               rank, False))
         return min(candidates, key=lambda f: (f.priority, f.rank)) if candidates else None
 

@@ -1,45 +1,68 @@
-"""Lesson 02: rank environments, start methods, a notebook-defined function, failures, torchrun."""
+"""Lesson 02: rank environments, start methods, a notebook-defined function, failures under
+torch's own process context and under dh.launch, torchrun, and the exercises' checks."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 
 import ddp_helpers as dh
-from ddp_helpers.lessons import spawning
+from ddp_helpers import exercises
+from ddp_helpers.lessons import spawning as lesson
 from ddp_helpers.plots import spawning as splots
-from ddp_helpers.solutions import env_report
+from ddp_helpers.solutions import env_report, root_cause_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_launched_ranks_see_the_rendezvous_variables():
-    envs = dh.launch(spawning.rank_environment, args=(3,), nprocs=3, output="none")
+    envs = dh.launch(lesson.rank_environment, args=(3,), nprocs=3, output="none")
     assert [e["env"]["RANK"] for e in envs] == ["0", "1", "2"]
     assert {e["env"]["WORLD_SIZE"] for e in envs} == {"3"}
     assert len({e["env"]["MASTER_PORT"] for e in envs}) == 1
     assert len({e["pid"] for e in envs}) == 3
-    table = spawning.describe_environments(envs)
+    table = lesson.describe_environments(envs)
     assert "every rank has the same MASTER_PORT: True" in table
     assert "(a free port)" in table and envs[0]["env"]["MASTER_PORT"] not in table
 
 
-def test_notebook_function_fails_under_plain_spawn_with_attribute_error(tmp_path):
+def _run_python(code: str, tmp_path) -> subprocess.CompletedProcess:
     # `python -c` has no importable __main__, exactly like a notebook kernel.
-    code = ("import torch.multiprocessing as mp\n"
-            "def square(rank, world_size):\n"
-            "    print(rank * rank)\n"
-            "if __name__ == '__main__':\n"
-            "    mp.spawn(square, args=(2,), nprocs=2)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "AttributeError: Can't get attribute 'square' on <module '__main__'" in proc.stderr
-    assert "ProcessExitedException" in proc.stderr
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.slow
+def test_spawned_children_output_is_collected_and_a_notebook_function_fails(tmp_path):
+    proc = _run_python("""
+        import torch.multiprocessing as mp
+        from ddp_helpers.lessons import spawning as lesson
+        def square(rank, world_size):
+            print(rank * rank)
+        if __name__ == "__main__":
+            with lesson.children_output() as ok:
+                mp.spawn(lesson.print_environment, args=(2,), nprocs=2)
+            print("OK", ok.lines)
+            with lesson.children_output() as children:
+                try:
+                    mp.spawn(square, args=(2,), nprocs=2)
+                except mp.ProcessExitedException as e:
+                    print("EXIT", e.exit_code)
+            print("CHILDREN", children.text)
+        """, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "rank argument 0: pid" in out and "rank argument 1: pid" in out
+    assert "EXIT 1" in out
+    assert "AttributeError: Can't get attribute 'square' on <module '__main__'" in out
+    assert "^^^" not in out.split("CHILDREN", 1)[1]  # caret lines cleaned away
 
 
 def test_launch_refuses_a_main_module_function():
@@ -53,14 +76,14 @@ def test_launch_refuses_a_main_module_function():
 
 
 def test_start_methods_each_start_and_join():
-    times = spawning.measure_start_methods(("forkserver", "fork"), nprocs=2, repeats=1)
+    times = lesson.measure_start_methods(("forkserver", "fork"), nprocs=2, repeats=1)
     assert set(times) == {"forkserver", "fork"}
     assert all(t > 0 for t in times.values())
 
 
 @pytest.mark.slow
 def test_spawn_start_method_runs_a_module_function():
-    assert spawning.time_start("spawn", nprocs=1) > 0
+    assert lesson.time_start("spawn", nprocs=1) > 0
 
 
 def test_start_method_chart_has_one_bar_per_method():
@@ -71,7 +94,7 @@ def test_start_method_chart_has_one_bar_per_method():
 
 
 def test_by_rank_output_is_grouped_by_rank(capsys):
-    assert dh.launch(spawning.chatty, args=(2,), nprocs=2, output="by_rank") == [3, 3]
+    assert dh.launch(lesson.chatty, args=(2,), nprocs=2, output="by_rank") == [3, 3]
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[rank")]
     assert lines == [f"[rank {r}] step {i}" for r in range(2) for i in range(3)]
 
@@ -79,23 +102,70 @@ def test_by_rank_output_is_grouped_by_rank(capsys):
 @pytest.mark.parametrize("bad_rank", [0, 1])
 def test_failing_rank_is_named_with_its_traceback(bad_rank):
     with pytest.raises(dh.RankRaised, match=f"rank {bad_rank} found a corrupt batch") as info:
-        dh.launch(spawning.raises_on, args=(2, bad_rank), nprocs=2, output="none", timeout=120)
+        dh.launch(lesson.raises_on, args=(2, bad_rank), nprocs=2, output="none", timeout=120)
     assert info.value.rank == bad_rank
     assert info.value.exc_type == "ValueError"
     assert "in raises_on" in info.value.traceback_text
 
 
+def test_torch_join_reports_one_of_the_two_failures():
+    # Which one is a race (the notebook counts it); either way it is one of the two.
+    reported = lesson.reported_by_start_processes(dh.free_port())
+    assert reported in ("rank 1: its own ValueError",
+                        "rank 0: a knock-on RuntimeError (caused by a failed peer)")
+
+
+def test_launch_reports_the_root_cause():
+    assert lesson.reported_by_launch(lesson.raises_on) == "rank 1: its own ValueError"
+
+
+@pytest.mark.parametrize("line, described", [
+    ("ValueError: corrupt batch", "rank 1: its own ValueError"),
+    ("RuntimeError: Connection closed by peer [127.0.0.1]:1234",
+     "rank 1: a knock-on RuntimeError (caused by a failed peer)"),
+    ("DistBackendError: wait timed out", "rank 1: a knock-on DistBackendError (caused by a "
+                                          "failed peer)"),
+])
+def test_describe_failure(line, described):
+    assert lesson.describe_failure(1, line) == described
+
+
+def test_rank_blocked_in_cpp_with_a_sigterm_handler_outlives_sigterm():
+    context = mp.start_processes(lesson.outlives_sigterm, args=(2, dh.free_port()), nprocs=2,
+                                 join=False, start_method="forkserver")
+    with pytest.raises(mp.ProcessRaisedException, match="bad config") as info:
+        lesson.join_like_spawn(context, grace_seconds=1)
+    assert info.value.error_index == 1
+    assert [p.exitcode for p in context.processes] == [-9, 1]  # rank 0 needed SIGKILL
+
+
+def test_launch_stops_the_blocked_rank_and_names_the_failing_one():
+    with pytest.raises(dh.RankRaised, match="rank 1 of 2 raised ValueError: rank 1: bad config"):
+        dh.launch(lesson.outlives_sigterm, args=(2, dh.free_port()), nprocs=2, output="none")
+
+
+def test_finished_ranks_results_are_kept():
+    with pytest.raises(dh.RankRaised, match="rank 1 ran out of memory") as info:
+        dh.launch(lesson.finishes_then_other_fails, args=(2,), nprocs=2, output="none")
+    assert info.value.finished == [0]
+    assert info.value.results == [{"rank": 0, "evaluated_samples": 5000}, None]
+
+
 def test_hung_rank_is_stopped_by_the_timeout():
     with pytest.raises(dh.LaunchTimeout, match="had not finished") as info:
-        dh.launch(spawning.hangs_on, args=(2, 1), nprocs=2, output="none", timeout=15)
+        dh.launch(lesson.hangs_on, args=(2, 1), nprocs=2, output="none", timeout=15)
     assert 1 in info.value.unfinished
     assert info.value.last_lines[1] == "waiting for a message from rank 0..."
+
+
+def test_all_reduce_once_is_a_whole_program():
+    assert dh.launch(lesson.all_reduce_once, args=(2,), nprocs=2, output="none") == [3.0, 3.0]
 
 
 def test_torchrun_report_needs_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(RuntimeError, match="run this under torchrun"):
-        spawning.torchrun_report()
+        lesson.torchrun_report()
 
 
 @pytest.mark.slow
@@ -112,8 +182,42 @@ def test_torchrun_sets_the_variables_the_table_shows():
     assert rows["TORCHELASTIC_RESTART_COUNT"] == ["0", "0"]
 
 
-def test_env_report_solution():
-    reports = dh.launch(env_report.env_report, args=(3,), nprocs=3, output="none")
-    assert [r["RANK"] for r in reports] == [0, 1, 2]
-    assert {r["WORLD_SIZE"] for r in reports} == {3}
-    assert len({r["MASTER_PORT"] for r in reports}) == 1
+# -- exercises: the kit's solution passes, a stub is not attempted, a wrong answer fails -----
+
+
+class _Module:
+    """Stands in for an attempts/<name>.py module."""
+
+    def __init__(self, **functions):
+        self.__dict__.update(functions)
+
+
+def _stub(rank=None, world_size=None):
+    ...
+
+
+def _wrong(*args):
+    return None
+
+
+@pytest.mark.parametrize("name, solution", [("env_report", env_report.env_report),
+                                            ("root_cause_rank", root_cause_rank.root_cause_rank)])
+def test_exercise_checks(name, solution):
+    check = exercises.find(name).check
+    assert all(c.ok for c in check(_Module(**{name: solution})))
+    with pytest.raises(exercises.NotAttempted):
+        check(_Module(**{name: _stub}))
+    cases = check(_Module(**{name: _wrong}))
+    assert len(cases) >= 2 and not any(c.ok for c in cases[:1])
+    assert "got None" in next(c for c in cases if not c.ok).detail
+
+
+def fixed_port(rank, world_size):
+    """A wrong env_report: a port written in instead of read from the environment."""
+    return {"RANK": rank, "WORLD_SIZE": world_size, "MASTER_PORT": 29500}
+
+
+def test_env_report_check_fails_a_hard_coded_port():
+    cases = exercises.find("env_report").check(_Module(env_report=fixed_port))
+    assert not any(c.ok for c in cases)
+    assert "'MASTER_PORT': 29500" in cases[0].detail

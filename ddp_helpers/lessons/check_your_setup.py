@@ -1,4 +1,5 @@
-"""Lesson 00 (notebooks/00_check_your_setup.ipynb): what this machine has, what the kit chooses, and a summary to paste into a question.
+"""Lesson 00 (notebooks/00_check_your_setup.ipynb): what this machine has, what the kit
+chooses, and a summary to paste into a question.
 
 Everything here runs in the parent except `two_rank_all_reduce`, which the ranks run. GPU facts
 come from torch.cuda.device_count and nvidia-smi, never from a CUDA context in the kernel.

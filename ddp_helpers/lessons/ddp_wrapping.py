@@ -1,28 +1,33 @@
-"""Lesson 03: what DistributedDataParallel does, one measured step at a time.
+"""Lesson 03: what DistributedDataParallel does, one step at a time, on persistent ranks.
 
-Every function whose first two parameters are (rank, world_size) runs on each rank through
-`dh.launch`; the others are small parent-side helpers (data, the single-process reference).
-Models and data are tiny and seeded, so every number the notebook prints is reproducible.
+The notebook types the DDP lines in `%%ranks` cells; this module holds what those cells use
+but is not the point of the lesson (tiny seeded models, each rank's share of a batch, a counting
+communication hook), the single-process reference the parent computes, and the exercise checks.
+Models and data are tiny and seeded, so every number the notebook compares is reproducible.
 """
 
-import time
-from contextlib import nullcontext
+import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from ..runtime import process_group
+from ..checks import Case, case
+from ..exercises import exercise_check, require
+
+# No `from __future__ import annotations` in this file: DDP's register_comm_hook checks the
+# hook's annotations at run time, and strings would not match.
 
 IN_FEATURES, CLASSES = 4, 3
 
 
-def tiny_model(seed: int) -> nn.Sequential:
-    """A 4 -> 8 -> 3 MLP (67 parameters) whose initial weights depend only on `seed`."""
-    torch.manual_seed(seed)
+def tiny_model(seed: int | None = None) -> nn.Sequential:
+    """A 4 -> 8 -> 3 MLP (67 parameters); with `seed`, its initial weights depend only on it."""
+    if seed is not None:
+        torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(IN_FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
 
 
@@ -57,80 +62,31 @@ def flat_grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
-def wrap(model: nn.Module, device: torch.device, **ddp_kwargs) -> DDP:
-    """Move the model to this rank's device and wrap it (device_ids only on a GPU)."""
-    model = model.to(device)
-    ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=ids, **ddp_kwargs)
-
-
-def broadcast_on_wrap(rank: int, world_size: int) -> dict:
-    """Seed each rank differently, then show the weights before and after DDP's constructor."""
-    with process_group(rank, world_size) as device:  # rank 0 says which backend and why
-        model = tiny_model(seed=rank)  # a deliberate mistake: each rank starts elsewhere
-        before = flat_params(model)
-        ddp = wrap(model, device)  # the constructor broadcasts rank 0's parameters and buffers
-        return {"before": before, "after": flat_params(ddp.module)}
-
-
-def gradients_before_and_after_sync(rank: int, world_size: int) -> dict:
-    """One backward without sync (the rank's own gradient), one with it, and a manual average."""
-    with process_group(rank, world_size, verbose=False) as device:
-        ddp = wrap(tiny_model(seed=0), device)
-        x, y = rank_batch(0, 8 * world_size, rank, world_size, device)
-        with ddp.no_sync():  # backward without DDP's all-reduce: this rank's gradient only
-            F.cross_entropy(ddp(x), y).backward()
-        local = flat_grads(ddp.module)
-        manual = local.clone().to(device)
-        dist.all_reduce(manual)  # sum over ranks ...
-        manual /= world_size  # ... divided by the number of ranks: the mean
-        ddp.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()  # DDP all-reduces and averages during backward
-        return {"local": local, "synced": flat_grads(ddp.module), "manual": manual.cpu()}
-
-
-def ddp_training(rank: int, world_size: int, steps: int, batch: int, lr: float = 0.1) -> dict:
-    """Train tiny_model for `steps` SGD steps, `batch` samples per step split over the ranks."""
-    with process_group(rank, world_size, verbose=False) as device:
-        ddp = wrap(tiny_model(seed=0), device)
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr)
-        losses = []
-        for step in range(steps):
-            x, y = rank_batch(step, batch, rank, world_size, device)
-            opt.zero_grad()
-            loss = F.cross_entropy(ddp(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return {"params": flat_params(ddp.module), "losses": losses}
-
-
 def single_process_training(steps: int, batch: int, lr: float = 0.1) -> dict:
     """The reference: one process, no DDP, the whole batch each step (runs in the parent)."""
     model = tiny_model(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
     for step in range(steps):
         x, y = global_batch(step, batch)
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        F.cross_entropy(model(x), y).backward()
         opt.step()
-        losses.append(loss.item())
-    return {"params": flat_params(model), "losses": losses}
+    return {"params": flat_params(model)}
 
 
-def sampler_indices(rank: int, world_size: int, dataset_size: int, epochs: int,
-                    call_set_epoch: bool, seed: int = 0) -> list[list[int]]:
-    """The dataset indices DistributedSampler gives this rank in each epoch."""
-    with process_group(rank, world_size, verbose=False):
-        sampler = DistributedSampler(range(dataset_size), shuffle=True, seed=seed)
-        per_epoch = []
-        for epoch in range(epochs):
-            if call_set_epoch:
-                sampler.set_epoch(epoch)  # the shuffle is seeded with seed + epoch
-            per_epoch.append(list(sampler))
-        return per_epoch
+def sampler_covers_every_index(per_rank: list[list[list[int]]], size: int) -> bool:
+    """True if in every epoch the ranks' index lists are disjoint and cover 0..size-1."""
+    epochs = len(per_rank[0])
+    return all(sorted(i for rank in per_rank for i in rank[e]) == list(range(size))
+               for e in range(epochs))
+
+
+def epochs_repeat(per_rank: list[list[list[int]]]) -> bool:
+    """True if every rank gets the same indices, in the same order, in every epoch."""
+    return all(epoch == indices[0] for indices in per_rank for epoch in indices)
+
+
+# ---------------------------------------------------------------- counting all-reduces
 
 
 class AllReduceCounter:
@@ -149,38 +105,16 @@ class AllReduceCounter:
 def counting_allreduce_hook(state: AllReduceCounter, bucket: dist.GradBucket
                             ) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook that does what DDP does by default (average) and counts it."""
-    # No `from __future__ import annotations` in this file: DDP checks these two annotations.
     state.calls += 1
     state.bucket_numels.append(bucket.buffer().numel())
     tensor = bucket.buffer().div_(dist.get_world_size())
+    # async_op=True returns at once; DDP waits on the future when backward ends.
     fut = dist.all_reduce(tensor, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
-def accumulate_gradients(rank: int, world_size: int, micro_batches: int, batch: int,
-                         use_no_sync: bool, lr: float = 0.1) -> dict:
-    """One optimizer step from `micro_batches` backwards per rank; count the all-reduces."""
-    with process_group(rank, world_size, verbose=False) as device:
-        ddp = wrap(tiny_model(seed=0), device)
-        counter = AllReduceCounter()
-        ddp.register_comm_hook(counter, counting_allreduce_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=lr)
-        x, y = rank_batch(0, batch, rank, world_size, device)  # the batch of one big step
-        xs, ys = x.chunk(micro_batches), y.chunk(micro_batches)
-        opt.zero_grad()
-        for i, (xm, ym) in enumerate(zip(xs, ys)):
-            last = i == micro_batches - 1
-            # no_sync: gradients only accumulate locally; the last backward all-reduces the sum
-            ctx = ddp.no_sync() if use_no_sync and not last else nullcontext()
-            with ctx:
-                loss = F.cross_entropy(ddp(xm), ym) / micro_batches
-                loss.backward()
-        opt.step()
-        return {"params": flat_params(ddp.module), "allreduce_calls": counter.calls}
-
-
 def layered_model(layers: int = 8, width: int = 128) -> nn.Sequential:
-    """`layers` Linear(width, width) blocks (257 KiB of parameters each): buckets worth counting."""
+    """`layers` Linear(width, width) blocks: 16,512 parameters, 64.5 KiB each at the default."""
     torch.manual_seed(0)
     blocks = []
     for _ in range(layers):
@@ -188,29 +122,22 @@ def layered_model(layers: int = 8, width: int = 128) -> nn.Sequential:
     return nn.Sequential(*blocks)
 
 
-def allreduce_calls_per_backward(rank: int, world_size: int, bucket_caps_mb: list[float],
-                                 steps: int = 6) -> list[dict]:
-    """For each bucket_cap_mb: all-reduce calls in each backward and mean seconds per step."""
-    out = []
-    with process_group(rank, world_size, verbose=False) as device:
-        x = torch.randn(32, 128, generator=torch.Generator().manual_seed(rank)).to(device)
-        for cap in bucket_caps_mb:
-            ddp = wrap(layered_model(), device, bucket_cap_mb=cap)
-            counter = AllReduceCounter()
-            ddp.register_comm_hook(counter, counting_allreduce_hook)
-            calls, numels, seconds = [], [], []
-            for _ in range(steps):
-                counter.reset()
-                start = time.perf_counter()
-                ddp(x).square().mean().backward()
-                seconds.append(time.perf_counter() - start)
-                calls.append(counter.calls)
-                numels.append(counter.bucket_numels)
-            # The first backward uses DDP's initial buckets; after it DDP rebuilds them in the
-            # order the gradients arrived, so steps 2.. show the steady state.
-            out.append({"bucket_cap_mb": cap, "calls": calls, "bucket_numels": numels[-1],
-                        "seconds_per_step": sum(seconds[2:]) / len(seconds[2:])})
-    return out
+def count_allreduces(ddp_model, backwards: int = 2) -> dict:
+    """Run `backwards` backward passes of a layered_model under DDP, counting the all-reduces
+    of each and the bucket sizes (in parameters) of the last one."""
+    counter = AllReduceCounter()
+    ddp_model.register_comm_hook(counter, counting_allreduce_hook)
+    width = ddp_model.module[0].in_features
+    x = torch.randn(32, width, generator=torch.Generator().manual_seed(dist.get_rank()))
+    calls = []
+    for _ in range(backwards):
+        counter.reset()
+        ddp_model(x.to(next(ddp_model.parameters()).device)).square().mean().backward()
+        calls.append(counter.calls)
+    return {"calls per backward": calls, "bucket sizes": counter.bucket_numels}
+
+
+# ---------------------------------------------------------------- models with a twist
 
 
 class TwoHeads(nn.Module):
@@ -227,29 +154,11 @@ class TwoHeads(nn.Module):
         return self.head(torch.tanh(self.body(x)))
 
 
-def train_with_unused_head(rank: int, world_size: int, find_unused_parameters: bool,
-                           steps: int = 2) -> dict:
-    """Train TwoHeads with DDP; without find_unused_parameters the second step raises."""
-    with process_group(rank, world_size, verbose=False) as device:
-        ddp = wrap(TwoHeads(), device, find_unused_parameters=find_unused_parameters)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        losses = []
-        for step in range(steps):
-            x, y = rank_batch(step, 8 * world_size, rank, world_size, device)
-            opt.zero_grad()
-            try:
-                loss = F.cross_entropy(ddp(x), y)
-            except RuntimeError:
-                if rank == 0:
-                    raise
-                # Every rank raises this same error. The others wait here for rank 0, which
-                # never comes: dh.launch then always reports rank 0's copy and stops the rest.
-                dist.barrier()
-                raise
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return {"losses": losses}
+def shifted_batch(rank: int, device: torch.device) -> torch.Tensor:
+    """Four samples of two features whose mean is exactly 10 * rank in each feature (a rank
+    whose data differs from the others', as with a non-shuffled split)."""
+    pattern = torch.tensor([[1.0, -1.0], [-1.0, 1.0], [1.0, 1.0], [-1.0, -1.0]])
+    return (pattern + 10.0 * rank).to(device)
 
 
 def average_gradients_by_hand(model: nn.Module, world_size: int) -> None:
@@ -259,42 +168,69 @@ def average_gradients_by_hand(model: nn.Module, world_size: int) -> None:
         p.grad /= world_size  # ... made into the mean
 
 
-def ddp_from_primitives(rank: int, world_size: int, steps: int, batch: int, lr: float = 0.1,
-                        average_gradients=average_gradients_by_hand) -> dict:
-    """ddp_training without DDP: broadcast the parameters once, average gradients each step."""
-    with process_group(rank, world_size, verbose=False) as device:
-        model = tiny_model(seed=rank).to(device)  # different on each rank, as before wrapping
-        for p in model.parameters():  # what DDP's constructor does: rank 0's values everywhere
-            dist.broadcast(p.data, src=0)
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-        losses = []
-        for step in range(steps):
-            x, y = rank_batch(step, batch, rank, world_size, device)
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            average_gradients(model, world_size)  # what DDP's backward hooks do
-            opt.step()
-            losses.append(loss.item())
-        return {"params": flat_params(model), "losses": losses}
+# ---------------------------------------------------------------- exercises
 
 
-def save_on_rank0_load_everywhere(rank: int, world_size: int, path: str) -> dict:
-    """Train one step, save model.module.state_dict() on rank 0, load it on every rank."""
-    with process_group(rank, world_size, verbose=False) as device:
-        ddp = wrap(tiny_model(seed=0), device)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        x, y = rank_batch(0, 8 * world_size, rank, world_size, device)
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        if rank == 0:  # the parameters are equal on all ranks: one copy is enough
-            # .module: the plain model, so keys have no "module." prefix and load without DDP
-            torch.save(ddp.module.state_dict(), path)
-        dist.barrier()  # nobody reads the file before rank 0 has finished writing it
-        # map_location: a checkpoint saved from cuda:0 would otherwise load onto cuda:0 on
-        # every rank; here each rank puts it on its own device.
-        state = torch.load(path, map_location=device, weights_only=True)
-        fresh = tiny_model(seed=123)  # different weights, so a successful load is visible
-        fresh.load_state_dict(state)
-        return {"ddp_keys": list(ddp.state_dict())[:2], "saved_keys": list(state)[:2],
-                "trained": flat_params(ddp.module), "loaded": flat_params(fresh)}
+@contextlib.contextmanager
+def _counting(module, name: str):
+    """Count calls of module.<name> for the block (the learner's code looks it up by name)."""
+    original = getattr(module, name)
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, original)
+
+
+def _local_gradients(build: Callable[[], nn.Module], rank: int, device) -> nn.Module:
+    """A freshly built model whose .grad holds this rank's own gradient of a seeded batch."""
+    model = build().to(device)
+    width = next(model.parameters()).shape[1]
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
+    model(x).square().mean().backward()
+    return model
+
+
+@exercise_check("bucketed_average_gradients", "ranks")
+def check_bucketed_average_gradients(namespace: dict) -> list[Case]:
+    """Two models: after the learner's function every gradient is the mean over the ranks,
+    and all of them travelled in one all_reduce."""
+    average = require(namespace, "bucketed_average_gradients")
+    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    cases = []
+    for label, build in (("tiny_model", tiny_model),
+                         ("2 layers of 16x16", lambda: layered_model(2, 16))):
+        model = _local_gradients(build, rank, device)
+        expected = flat_grads(model).to(device)
+        dist.all_reduce(expected)  # the reference: a sum over the ranks, then the mean
+        expected /= world_size
+        with _counting(dist, "all_reduce") as calls:
+            average(model, world_size)
+        cases.append(case(f"{label}: gradients", flat_grads(model), expected.cpu()))
+        cases.append(Case(f"{label}: all_reduce calls", calls[0] <= 1,
+                          f"{calls[0]} calls, expected 1: one bucket for every gradient"))
+    return cases
+
+
+SHARD_CASES = ((10, 2), (11, 2), (11, 3), (5, 4))  # (dataset size, world size)
+
+
+@exercise_check("shard_indices", "ranks")
+def check_shard_indices(namespace: dict) -> list[Case]:
+    """The learner's shard_indices against DistributedSampler(shuffle=False), on every rank
+    of several dataset and world sizes (some that need padding)."""
+    shard_indices = require(namespace, "shard_indices")
+    cases = []
+    for n, world_size in SHARD_CASES:
+        for rank in range(world_size):
+            sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank,
+                                         shuffle=False)
+            cases.append(case(f"n={n}, world_size={world_size}, rank {rank}",
+                              shard_indices(n, rank, world_size), list(sampler)))
+    return cases

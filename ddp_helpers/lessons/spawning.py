@@ -1,21 +1,35 @@
 """Lesson 02's functions: what a rank's environment holds, start methods, failures, torchrun.
 
-The per-rank functions here are launched by dh.launch (and by plain mp.spawn for contrast);
-`measure_start_methods` runs in the parent. Run as a module under torchrun, this file prints
-the variables torchrun sets: `torchrun --nproc-per-node 2 -m ddp_helpers.lessons.spawning`.
+The per-rank functions here are started by dh.launch, by plain mp.spawn and by
+torch.multiprocessing.start_processes, for contrast; the other functions run in the parent. Run
+as a module under torchrun, this file prints the variables torchrun sets:
+`torchrun --nproc-per-node 2 -m ddp_helpers.lessons.spawning`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import multiprocessing
 import os
+import signal
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from ddp_helpers.checks import Case, case
+from ddp_helpers.errors import RankRaised
+from ddp_helpers.exercises import exercise_check, require
+from ddp_helpers.launch import free_port, launch
 from ddp_helpers.runtime import process_group
+from ddp_helpers.tracebacks import clean_traceback
 
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",
@@ -24,6 +38,8 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",
                  "TORCHELASTIC_MAX_RESTARTS")
 # Values that change from run to run; shown as a description so printed tables stay comparable.
 VARYING = {"MASTER_PORT": "(a free port)", "TORCHELASTIC_RUN_ID": "(a fresh id)"}
+# Words of the errors a rank raises because a peer failed first, not because of its own fault.
+KNOCK_ON_WORDS = ("connection reset", "connection closed", "timed out")
 
 
 def rank_environment(rank: int, world_size: int) -> dict:
@@ -53,6 +69,46 @@ def print_environment(rank: int, world_size: int) -> None:
     """Print this rank's rendezvous variables and pid (for plain mp.spawn, which returns None)."""
     env = " ".join(f"{k}={os.environ.get(k)}" for k in RENDEZVOUS_VARS)
     print(f"rank argument {rank}: pid {os.getpid()} {env}", flush=True)
+
+
+class Captured:
+    """What child processes wrote while `children_output` was active."""
+
+    raw: str = ""
+
+    @property
+    def text(self) -> str:
+        """The output with machine paths shortened and library frames folded."""
+        return clean_traceback(self.raw)
+
+    @property
+    def lines(self) -> list[str]:
+        """The output's lines, sorted: children write concurrently, in no fixed order."""
+        return sorted(line for line in self.text.splitlines() if line.strip())
+
+
+@contextlib.contextmanager
+def children_output() -> Iterator[Captured]:
+    """Collect what processes started in the block write to file descriptors 1 and 2.
+
+    Children started with the spawn start method inherit the notebook kernel's descriptors 1
+    and 2; the kernel forwards those to whichever cell is running when it reads them, untagged.
+    Pointing them at a file for the block keeps the children's lines together, to print."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    captured = Captured()
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            for fd, copy in zip((1, 2), saved):
+                os.dup2(copy, fd)
+                os.close(copy)
+            sink.seek(0)
+            captured.raw = sink.read().decode("utf-8", "replace")
 
 
 # ---------------------------------------------------------------- start methods
@@ -103,10 +159,113 @@ def raises_on(rank: int, world_size: int, bad_rank: int = 1) -> str:
     """Every rank joins the group; `bad_rank` raises while the others wait at a barrier."""
     with process_group(rank, world_size, verbose=False):
         if rank == bad_rank:
-            print("reading my shard...", flush=True)
             raise ValueError(f"rank {rank} found a corrupt batch (on purpose, for the lesson)")
-        dist.barrier()  # never passes: the bad rank never arrives; the launcher stops us
+        dist.barrier()  # never passes: the bad rank never arrives
         return "done"
+
+
+def raises_after_barrier(rank: int, world_size: int, port: int) -> str:
+    """raises_on for start_processes: meet at tcp://127.0.0.1:port (a forkserver child does
+    not see variables set in the notebook after the server started), then rank 1 raises."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        if rank == 1:
+            raise ValueError("rank 1 found a corrupt batch (on purpose, for the lesson)")
+        dist.barrier()
+        return "done"
+    finally:
+        dist.destroy_process_group()
+
+
+def outlives_sigterm(rank: int, world_size: int, port: int) -> None:
+    """Rank 1 raises before joining the group; rank 0 waits for it in the rendezvous, inside
+    C++ code, with a SIGTERM handler installed (as scripts that checkpoint on preemption do)."""
+    # Python runs this handler in the main thread between two Python instructions; a main
+    # thread blocked in C++ never gets there, so SIGTERM is noted and nothing more happens.
+    signal.signal(signal.SIGTERM, _save_checkpoint_on_sigterm)
+    if rank == 1:
+        raise ValueError("rank 1: bad config (on purpose, for the lesson)")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+
+
+def _save_checkpoint_on_sigterm(signum, frame) -> None:
+    """Where a training script would save a checkpoint before the scheduler kills it."""
+
+
+def join_like_spawn(context, grace_seconds: float) -> None:
+    """Join `context` as mp.spawn does (loop on join until it returns True or raises), with
+    `grace_seconds` instead of join's default 30 s between SIGTERM and SIGKILL.
+
+    join(grace_period=g) waits g s for the others to exit, sends SIGTERM, waits g s more, then
+    SIGKILLs. torch versions whose join has no grace_period always wait the full 30 s."""
+    if "grace_period" in inspect.signature(context.join).parameters:
+        while not context.join(grace_period=grace_seconds):
+            pass
+    else:  # older torch: SIGTERM at once, then up to 30 s before SIGKILL
+        while not context.join():
+            pass
+
+
+def knock_on(message: str) -> bool:
+    """True for an error a rank raises because a peer failed first (the connection to it
+    closed, or a wait for it timed out)."""
+    return any(word in message.lower() for word in KNOCK_ON_WORDS)
+
+
+def readable(error: BaseException) -> str:
+    """An exception as "Type: message", its traceback text with machine paths shortened,
+    library frames folded and C++ source locations dropped."""
+    return f"{type(error).__name__}: {clean_traceback(str(error).strip())}"
+
+
+def describe_failure(rank: int, error_line: str) -> str:
+    """One failure in words: "rank 1: its own ValueError" or "rank 0: a knock-on RuntimeError
+    (caused by a failed peer)"."""
+    exc_type = error_line.split(":", 1)[0].strip()
+    if knock_on(error_line):
+        return f"rank {rank}: a knock-on {exc_type} (caused by a failed peer)"
+    return f"rank {rank}: its own {exc_type}"
+
+
+def reported_by_start_processes(port: int, start_method: str = "forkserver") -> str:
+    """Run raises_after_barrier under torch's own process context (what mp.spawn uses) and
+    describe the failure its join reported (see describe_failure)."""
+    context = mp.start_processes(raises_after_barrier, args=(2, port), nprocs=2, join=False,
+                                 start_method=start_method)
+    try:
+        join_like_spawn(context, grace_seconds=5)
+    except mp.ProcessRaisedException as e:
+        return describe_failure(e.error_index, e.msg.strip().splitlines()[-1])
+    return "no error"
+
+
+def reported_by_launch(fn, nprocs: int = 2) -> str:
+    """Launch fn on nprocs ranks and describe the failure dh.launch reported."""
+    try:
+        launch(fn, args=(nprocs,), nprocs=nprocs, output="none")
+    except RankRaised as e:
+        return describe_failure(e.rank, f"{e.exc_type}: {e.exc_message}")
+    return "no error"
+
+
+def all_reduce_once(rank: int, world_size: int) -> float:
+    """A whole program in miniature: join the group, sum rank + 1 over the ranks, leave."""
+    with process_group(rank, world_size, verbose=False) as device:
+        t = torch.tensor([rank + 1.0], device=device)
+        dist.all_reduce(t)
+        return t.item()
+
+
+def finishes_then_other_fails(rank: int, world_size: int) -> dict:
+    """Rank 0 returns its result; rank 1 fails a moment later (after rank 0 has returned)."""
+    with process_group(rank, world_size, verbose=False):
+        dist.barrier()  # both ranks got this far
+    if rank == 0:
+        return {"rank": 0, "evaluated_samples": 5000}
+    time.sleep(1.0)  # rank 0 has returned meanwhile
+    raise RuntimeError("rank 1 ran out of memory (on purpose, for the lesson)")
 
 
 def hangs_on(rank: int, world_size: int, stuck_rank: int = 1) -> str:
@@ -143,6 +302,42 @@ def torchrun_report() -> str | None:
                  for e in everyone]
         lines.append(f"{name:<28}" + "".join(f"{v:<14}" for v in shown))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- exercises
+
+
+@exercise_check("env_report", "file")
+def check_env_report(module) -> list[Case]:
+    """Launch the learner's env_report on 2 and then 3 ranks, each with a known MASTER_PORT."""
+    env_report = require(module, "env_report")
+    cases = []
+    for nprocs in (2, 3):
+        port = free_port()
+        reports = launch(env_report, args=(nprocs,), nprocs=nprocs, timeout=60, output="none",
+                         master_port=port)
+        for rank, got in enumerate(reports):
+            expected = {"RANK": rank, "WORLD_SIZE": nprocs, "MASTER_PORT": port}
+            cases.append(case(f"{nprocs} ranks, rank {rank}", got, expected))
+    return cases
+
+
+ROOT_CAUSE_CASES = [
+    ({0: "RuntimeError: Connection reset by peer", 1: "ValueError: corrupt batch"}, 1),
+    ({0: "ValueError: bad config", 1: "RuntimeError: Connection closed by peer"}, 0),
+    ({0: "DistBackendError: barrier timed out after 60 s",
+      1: "RuntimeError: Connection reset by peer", 2: "KeyError: 'lr'"}, 2),
+    ({1: "RuntimeError: Connection closed by peer", 0: "RuntimeError: Connection reset by peer"},
+     None),
+]
+
+
+@exercise_check("root_cause_rank", "file")
+def check_root_cause_rank(module) -> list[Case]:
+    """The learner's root_cause_rank on runs with knock-on errors in various places."""
+    root_cause_rank = require(module, "root_cause_rank")
+    return [case(f"errors {errors}", root_cause_rank(dict(errors)), expected)
+            for errors, expected in ROOT_CAUSE_CASES]
 
 
 if __name__ == "__main__":
