@@ -340,15 +340,22 @@ class LabNotebook:
                         found.append(f"cell {i}: {bad}")
         return found
 
-    def launching_cells_with_ranks(self, ranks=(0, 1)) -> list[int]:
-        """Code cells that call dh.launch and show a '[rank r]' line for every r in ranks."""
+    def launching_cells_with_ranks(self, ranks=(0, 1), marker: str = "dh.launch(") -> list[int]:
+        """Code cells whose source has `marker` (a launch, or "%%ranks") and that show a
+        '[rank r] ...' line for every r in ranks."""
         hits = []
         for i, cell in enumerate(self.cells):
-            if cell.cell_type == "code" and "dh.launch(" in cell.source:
+            if cell.cell_type == "code" and marker in cell.source:
                 text = self.output_text(i)
                 if all(re.search(rf"^\[rank {r}\] ", text, re.M) for r in ranks):
                     hits.append(i)
         return hits
+
+    def cell_images(self, i: int) -> int:
+        """How many decoded images cell i's output area shows."""
+        imgs = self.cell_nodes().nth(i).locator(".jp-OutputArea-output img")
+        return sum(1 for k in range(imgs.count())
+                   if imgs.nth(k).evaluate("e => e.complete && e.naturalWidth > 0"))
 
     def rendered_images(self):
         """Images in output areas that the browser has decoded (naturalWidth > 0)."""

@@ -38,14 +38,17 @@ class Expect:
 
     ranks: tuple[int, ...]  # ranks whose "[rank r] ..." lines a launching cell shows
     min_images: int  # rendered plot images in output areas
+    marker: str = "dh.launch("  # what a launching cell's source contains
 
 
 SETUP = "00_check_your_setup.ipynb"
 SYNC = "06_gradient_sync_effects.ipynb"
+RANKS = "03_ddp_wrapping.ipynb"  # written in %%ranks cells: the learner types the code
 # Both lessons' launching cells relay one line, from rank 0: dh.process_group says there which
 # backend it chose (the other ranks stay quiet).
 EXPECT = {SETUP: Expect(ranks=(0,), min_images=0),
-          SYNC: Expect(ranks=(0,), min_images=1)}
+          SYNC: Expect(ranks=(0,), min_images=1),
+          RANKS: Expect(ranks=(0, 1), min_images=1, marker="%%ranks")}
 PANEL_SLIDER = "steps"  # the panel's slider the test moves
 
 
@@ -126,9 +129,9 @@ def run_all_and_check(nb: LabNotebook, expect: Expect) -> None:
     assert not errors, f"{nb.name}: error output in cells not tagged raises-exception: {errors}"
     unrun = nb.unrun_code_cells()
     assert not unrun, f"{nb.name}: Run All stopped; code cells without a result: {unrun}"
-    launching = nb.launching_cells_with_ranks(expect.ranks)
-    assert launching, (f"{nb.name}: no cell calling dh.launch shows relayed lines of ranks "
-                       f"{list(expect.ranks)} ('[rank r] ...')")
+    launching = nb.launching_cells_with_ranks(expect.ranks, expect.marker)
+    assert launching, (f"{nb.name}: no cell with {expect.marker!r} shows relayed lines of "
+                       f"ranks {list(expect.ranks)} ('[rank r] ...')")
     cell = nb.cell_nodes().nth(launching[0])
     assert cell.is_visible()
     nb.screenshot("launching-cell", cell)
@@ -164,3 +167,18 @@ def test_gradient_sync_panel_reruns_and_redraws(notebook):
     assert "failed" not in panel.inner_text(), panel.inner_text()
     errors = notebook.error_outputs()
     assert not errors, f"the rerun after moving {PANEL_SLIDER!r} showed errors: {errors}"
+
+
+@pytest.mark.parametrize("notebook", [RANKS], indirect=True)
+def test_ranks_lesson_shows_every_rank_and_plots_what_came_back(notebook):
+    run_all_and_check(notebook, EXPECT[RANKS])
+    cells = notebook.cells
+    returning = [i for i, c in enumerate(cells) if c.source.startswith("%%ranks --return")]
+    assert returning, f"{notebook.name}: no `%%ranks --return NAME` cell"
+    name = cells[returning[0]].source.split()[2].split(",")[0]
+    plotting = [i for i, c in enumerate(cells) if i > returning[0] and c.cell_type == "code"
+                and "plots." in c.source and name in c.source]
+    assert plotting, f"{notebook.name}: no plots.* cell uses {name!r} after it came back"
+    notebook.screenshot("plot-from-return", notebook.cell_nodes().nth(plotting[0]))
+    assert notebook.cell_images(plotting[0]) >= 1, (
+        f"{notebook.name}: cell {plotting[0]} drew no image from the returned {name!r}")
