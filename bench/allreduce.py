@@ -26,8 +26,8 @@ matplotlib.use("Agg")  # files only, also on a machine without a display
 import ddp_helpers as dh
 from bench.common import RESULTS, write_table
 from ddp_helpers import timing
-from ddp_helpers.lessons import performance as perf
-from ddp_helpers.plots import performance as perf_plots
+from ddp_helpers.lessons import performance_and_debugging as perf
+from ddp_helpers.plots import performance_and_debugging as perf_plots
 
 
 def sizes_up_to(max_mib: int) -> list[int]:

@@ -9,7 +9,7 @@ with one GPU, 15 with two or more, after the environment is installed):
   2. every `gpu`-marked test (pytest -m gpu tests)
   3. the MNIST command on all GPUs: python -m ddp_helpers.mnist --nprocs <GPUs> --epochs 1
   4. with two GPUs or more: bench/allreduce.py with NCCL, up to 256 MiB
-  5. lessons 00-08 top to bottom, execution only (pytest --nbval-lax), K at a time
+  5. every lesson (00-10) top to bottom, execution only (pytest --nbval-lax), K at a time
 Then a summary table (printed, and written to bench/results/gpu.md with the date and the GPU),
 and what needs two GPUs and did not run. Logs go to runs/gpu-check-<time>/. Exit status 0
 when every step that ran passed. Without a GPU: "no GPU: nothing to check", exit status 0.
@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:  # run as a file: make `bench` and the kit importa
 import ddp_helpers as dh  # noqa: E402 - after the path fix above
 
 RESULTS = REPO / "bench" / "results" / "gpu.md"
-LESSONS = sorted(REPO.glob("notebooks/0[0-8]_*.ipynb"))
+LESSONS = sorted(REPO.glob("notebooks/[0-9][0-9]_*.ipynb"))
 NEEDS_TWO = "NEEDS TWO GPUS: not run"
 MIN_STEP_S = 20  # a step with less time than this left is reported as not run, not started
 

@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # run as a file: make `bench` importable
 import ddp_helpers as dh
 from bench.common import machine_line
 from ddp_helpers import data
-from ddp_helpers.lessons import mnist
+from ddp_helpers.lessons import mnist_two_gpus as mnist
 from ddp_helpers.timing import format_seconds
 
 LABELS = {"faithful": "listing as printed (no sampler)", "fixed": "listing + DistributedSampler",

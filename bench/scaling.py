@@ -21,7 +21,7 @@ from bench.common import RESULTS, write_table
 from ddp_helpers.lessons import performance_and_debugging as perf
 from ddp_helpers.plots import performance_and_debugging as perf_plots
 
-STEPS = {"seed": 200, "cnn": 40}  # about a second of work per run on one core
+STEPS = {"linear": 200, "cnn": 40}  # about a second of work per run on one core
 
 
 def rank_counts(max_ranks: int | None) -> list[int]:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="per-rank batches for the seed model")
     a = p.parse_args(argv)
     ns = rank_counts(a.max_ranks)
-    cases = [("cnn", 64)] + [("seed", b) for b in a.batches]
+    cases = [("cnn", 64)] + [("linear", b) for b in a.batches]
     results: dict[tuple[str, int], dict[int, float]] = {}
     rows = []
     for model, batch in cases:

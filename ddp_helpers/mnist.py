@@ -17,12 +17,13 @@ from pathlib import Path
 
 import ddp_helpers as dh
 from ddp_helpers import data
-from ddp_helpers.lessons import mnist as lesson
+from ddp_helpers.lessons import mnist_two_gpus as lesson
 from ddp_helpers.models import MODELS
-from ddp_helpers.runtime import BACKENDS
+from ddp_helpers.runtime import BACKEND_VAR, BACKENDS
 
 _DESCRIBE = {
-    "faithful": "the listing as printed: no DistributedSampler, every rank walks all the data",
+    "faithful": "the listing as printed: no DistributedSampler, every rank walks all the data, "
+                "a line per batch, fixed port 23456",
     "fixed": "the listing with DistributedSampler: each rank trains on its own shard",
     "memory": "the kit's fast path: all data in one tensor, sharded like DistributedSampler",
 }
@@ -41,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     how.add_argument("--memory", dest="path", action="store_const", const="memory",
                      help="the kit's in-memory tensors (default)")
     p.add_argument("--faithful", action="store_true",
-                   help="the listing as printed, without DistributedSampler (uses the DataLoader)")
+                   help="the listing as printed: no DistributedSampler, a line per batch, "
+                        "tcp://localhost:23456 (uses the DataLoader)")
     p.add_argument("--backend", default="auto", choices=BACKENDS)
     p.add_argument("--model", default="linear", choices=sorted(MODELS))
     p.add_argument("--batch-size", type=int, default=64, help="per rank, as in the listing")
@@ -71,9 +73,15 @@ def under_torchrun() -> bool:
 
 def _config(args, **kw) -> lesson.MnistConfig:
     return lesson.MnistConfig(
-        data_root=args.data_root, download=False if args.no_download else None,
         epochs=args.epochs, model=args.model, batch_size=args.batch_size, lr=args.lr,
         num_workers=args.num_workers, train_subset=args.train_subset, **kw)
+
+
+def _prepare(args, verbose: bool = True) -> data.DataSource:
+    """Find, download or make the data; under a file lock, so processes that start together
+    (torchrun's, one machine's) queue and the first one prepares it for the others."""
+    return data.prepare_data(args.data_root, download=False if args.no_download else None,
+                             verbose=verbose)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MNIST with DDP: {args.nprocs} ranks, {args.epochs} epoch(s), {args.variant} "
           f"({_DESCRIBE[args.variant]})", flush=True)
     try:  # once, here in the parent: the ranks only read what this leaves in data/
-        source = data.prepare_data(args.data_root, download=False if args.no_download else None)
+        source = _prepare(args)
     except (data.MNISTFileError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -104,14 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run_as_torchrun_rank(args) -> int:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.backend != "auto":
-        os.environ["DDP_HELPERS_BACKEND"] = args.backend  # what dh.launch(backend=...) sets
+        os.environ[BACKEND_VAR] = args.backend  # what dh.launch(backend=...) sets
     # Every process must agree on the folder without talking yet: name it after the run.
     run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}-{os.environ.get('MASTER_PORT', '')}"
     out = Path(args.out or f"runs/mnist-torchrun-{run_id}")
     if rank == 0:
         print(f"MNIST with DDP under torchrun: {world_size} ranks, {args.epochs} epoch(s), "
               f"{args.variant} ({_DESCRIBE[args.variant]})", flush=True)
-    cfg = _config(args, checkpoint=str(out / "checkpoint.pt"), tag_rank=True, gather=True)
+    source = _prepare(args, verbose=rank == 0)  # no group yet: the file lock orders them
+    cfg = _config(args, source=source, checkpoint=str(out / "checkpoint.pt"), gather=True)
     results = lesson.VARIANTS[args.variant](rank, world_size, cfg)
     if rank == 0:  # gather=True: rank 0 holds every rank's records
         _report(results, out)
@@ -119,7 +128,7 @@ def _run_as_torchrun_rank(args) -> int:
 
 
 def _report(results: list[dict], out: Path) -> None:
-    from ddp_helpers.plots.mnist import per_rank_loss_plot  # matplotlib only where we draw
+    from ddp_helpers.plots.mnist_two_gpus import per_rank_loss_plot  # matplotlib only here
 
     for line in lesson.summary(results):
         print(line)

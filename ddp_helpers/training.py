@@ -1,14 +1,15 @@
-"""The per-rank training loop: trains, and records what the parent plots and checks.
+"""What a rank records while it trains, and the test-set score: shared by the MNIST variants.
 
-Per step it records the loss, the labels it trained on, and the time split into waiting for data,
-computing, and the gradient all-reduce. At the end: samples seen, test accuracy, a checksum of
-the parameters. Everything returned is plain Python or CPU tensors, so it pickles to the parent.
+The training loop itself is written out in each variant (lessons/mnist_two_gpus.py), as the
+listing writes it; the loop calls `Recorder.step` once per batch. The recorder times each step
+without touching the loop: a forward pre-hook on the model marks when the batch has arrived, and
+`dh.time_allreduce` (a DDP comm hook, CUDA events on GPUs) times the gradient all-reduce.
+Everything returned is plain Python or CPU tensors, so it pickles to the parent.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from time import perf_counter
 
 import torch
@@ -18,115 +19,91 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .models import param_digest, param_sum
-
-
-class SyncTimer:
-    """Seconds spent in DDP's gradient all-reduce, summed until `take()` reads and resets them."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def take(self) -> float:
-        """The seconds since the last take()."""
-        s, self.seconds = self.seconds, 0.0
-        return s
-
-
-def _timed_allreduce(state, bucket):  # no annotations: DDP checks them, and ours are strings
-    # DDP's default hook averages the same way (divide by world size, then sum), but returns at
-    # once and overlaps the sum with backward. Waiting here is what makes its time measurable.
-    t0 = perf_counter()
-    grads = bucket.buffer().div_(dist.get_world_size())
-    dist.all_reduce(grads)
-    state.seconds += perf_counter() - t0
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(grads)
-    return done
-
-
-def time_gradient_sync(model: DistributedDataParallel) -> SyncTimer | None:
-    """On CPU, time DDP's all-reduce with a comm hook; on GPUs (NCCL overlaps it) return None."""
-    if model.device_type == "cuda":
-        return None  # a blocking wait would only time the launch of NCCL's kernels
-    timer = SyncTimer()
-    model.register_comm_hook(timer, _timed_allreduce)
-    return timer
+from .timing import time_allreduce
 
 
 class Recorder:
-    """Collects one rank's records while it trains; `records()` gives them as plain values."""
+    """One rank's records while it trains: per step the loss, the labels and where the time went
+    (waiting for data, compute, gradient all-reduce); per epoch its seconds and sample order."""
 
-    def __init__(self, rank: int, world_size: int, device: torch.device,
-                 say: Callable[[str], None] = print, progress_lines: int = 4):
-        self.rank, self.world_size, self.device = rank, world_size, device
-        self.say, self.progress_lines = say, progress_lines
+    def __init__(self, model: DistributedDataParallel, rank: int, world_size: int,
+                 device: torch.device):
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
         self.loss: list[float] = []
+        self.labels: list[torch.Tensor] = []
         self.data_s: list[float] = []
         self.compute_s: list[float] = []
-        self.sync_s: list[float] = []
-        self.labels: list[torch.Tensor] = []
-        self.indices: list[torch.Tensor] = []
+        self.sync_s: list[float] = []  # NaN where no all-reduce was timed (never a made-up 0)
+        self.allreduces: list[int] = []  # gradient buckets all-reduced per step
         self.epoch_s: list[float] = []
+        self.epochs: list[int] = []
         self.steps_per_epoch: list[int] = []
+        self.indices: list[torch.Tensor] = []
+        self._allreduce = time_allreduce(model)  # DDP's own averaging, with its span marked
+        # The batch is on the device when forward starts: the time before that is the loader's.
+        model.register_forward_pre_hook(self._batch_arrived)
+        self._last = self._arrived = self._epoch_start = None
 
-    def train_epoch(self, model: nn.Module, batches: Iterable, criterion: nn.Module,
-                    optimizer: torch.optim.Optimizer, epoch: int, sync: SyncTimer | None) -> None:
-        """One pass over `batches`: the listing's train() plus records and a few progress lines."""
-        model.train()
-        idx = _planned_indices(batches)
-        if idx is not None:
-            self.indices.append(idx)
-        n = len(batches)  # type: ignore[arg-type]
-        marks = {max(1, math.ceil(n * (i + 1) / self.progress_lines))
-                 for i in range(self.progress_lines)}
-        cuda = self.device.type == "cuda"
-        start = last = perf_counter()
-        for step, (x, y) in enumerate(batches, 1):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            got_data = perf_counter()
-            optimizer.zero_grad()
-            loss = criterion(model(x), y)
-            loss.backward()  # DDP all-reduces the gradients during this call
-            optimizer.step()
-            value = loss.item()  # waits for the GPU, so the step's time is real
-            if cuda:
-                torch.cuda.synchronize(self.device)
-            done = perf_counter()
-            synced = sync.take() if sync is not None else math.nan
-            self.loss.append(value)
-            self.labels.append(y.to("cpu", torch.uint8))
-            self.data_s.append(got_data - last)
-            self.compute_s.append(done - got_data - (0.0 if math.isnan(synced) else synced))
-            self.sync_s.append(synced)
-            last = done
-            if step in marks:
-                self.say(f"epoch {epoch + 1} step {step}/{n}: loss {value:.3f}")
-        self.epoch_s.append(perf_counter() - start)
-        self.steps_per_epoch.append(n)
+    def start_epoch(self, epoch: int, batches) -> None:
+        """Call before each epoch: starts its clock, and notes its sample order where known."""
+        self._close_epoch()
+        self.epochs.append(epoch)
+        order = planned_indices(batches)
+        if order is not None:
+            self.indices.append(order)
+        self._epoch_start = self._last = perf_counter()
+        self.steps_per_epoch.append(0)
+        self._allreduce.reset()
+
+    def step(self, loss: torch.Tensor, target: torch.Tensor) -> None:
+        """Call once per batch, after optimizer.step(): records the loss, labels and times."""
+        value = loss.item()  # waits for the GPU, so the step's wall time below is complete
+        done = perf_counter()
+        synced = self._allreduce.seconds()  # None: no all-reduce ran (e.g. under no_sync)
+        self.allreduces.append(self._allreduce.buckets)
+        self._allreduce.reset()
+        arrived = self._arrived if self._arrived is not None else self._last
+        self.loss.append(value)
+        self.labels.append(target.detach().to("cpu", torch.uint8))
+        self.data_s.append(arrived - self._last)
+        self.compute_s.append(done - arrived - (synced or 0.0))
+        self.sync_s.append(math.nan if synced is None else synced)
+        self.steps_per_epoch[-1] += 1
+        self._last, self._arrived = done, None
 
     def records(self, model: nn.Module, accuracy: float, **extra) -> dict:
         """This rank's records: per-step lists, samples seen, accuracy and a parameter checksum."""
+        self._close_epoch()
         module = model.module if isinstance(model, DistributedDataParallel) else model
         labels = torch.cat(self.labels) if self.labels else torch.empty(0, dtype=torch.uint8)
         return {
             "rank": self.rank, "world_size": self.world_size, "device": str(self.device),
             "loss": self.loss, "data_s": self.data_s, "compute_s": self.compute_s,
-            "sync_s": self.sync_s, "epoch_s": self.epoch_s,
+            "sync_s": self.sync_s, "allreduces": self.allreduces, "epoch_s": self.epoch_s,
+            "epochs": self.epochs,
             "steps_per_epoch": self.steps_per_epoch, "samples_seen": len(labels),
-            "labels": labels,
-            "indices": torch.cat(self.indices) if self.indices else None,
+            "labels": labels, "indices": torch.cat(self.indices) if self.indices else None,
             "accuracy": accuracy, "param_sum": param_sum(module),
             "param_digest": param_digest(module), **extra,
         }
 
+    def _batch_arrived(self, module, inputs) -> None:
+        self._arrived = perf_counter()
 
-def _planned_indices(batches) -> torch.Tensor | None:
-    """The sample indices this epoch will visit, where the loader can say so in advance."""
-    if isinstance(batches, DataLoader) and isinstance(batches.sampler, DistributedSampler):
-        return torch.tensor(list(batches.sampler), dtype=torch.int64)  # set_epoch already applied
-    if hasattr(batches, "indices") and callable(batches.indices):
+    def _close_epoch(self) -> None:
+        if self._epoch_start is not None:
+            self.epoch_s.append(self._last - self._epoch_start)
+            self._epoch_start = None
+
+
+def planned_indices(batches) -> torch.Tensor | None:
+    """The sample indices an epoch will visit, where the loader can say so in advance."""
+    sampler = getattr(batches, "sampler", None)
+    if isinstance(batches, DataLoader) and isinstance(sampler, DistributedSampler):
+        return torch.tensor(list(sampler), dtype=torch.int64)  # set_epoch already applied
+    if callable(getattr(batches, "indices", None)):
         return batches.indices().cpu()
-    return None  # the listing's shuffle=True: a RandomSampler that draws its order as it goes
+    return None  # the listing's shuffle=True: a RandomSampler draws its order as it goes
 
 
 @torch.no_grad()

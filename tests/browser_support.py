@@ -239,9 +239,12 @@ def _answers(server: LabServer) -> bool:
 
 
 def copy_notebooks(names: list[str], root: Path) -> None:
-    """Copy notebooks/<name> into root, so runs never modify the committed notebooks."""
+    """Copy notebooks/<name> into root, so runs never modify the committed notebooks; with the
+    committed attempts/ folder, which exercise cells write into, as a fresh clone has it."""
     for name in names:
         shutil.copy2(REPO / "notebooks" / name, root / name)
+    (root / "attempts").mkdir(exist_ok=True)
+    shutil.copy2(REPO / "notebooks" / "attempts" / "README.md", root / "attempts" / "README.md")
 
 
 def launch_browser(playwright, profile: Path):

@@ -1,8 +1,21 @@
 """Shared fixtures: no test leaves a rank process behind, checked for every test."""
 
+import signal
+
 import pytest
 
+import ddp_helpers as dh
 from ddp_helpers.census import rank_descendants, wait_for_no_descendants
+
+# Tests of the two-GPU paths (NCCL, one GPU per rank, cuda:0 -> cuda:1 copies) skip elsewhere.
+needs_two_gpus = pytest.mark.skipif(dh.gpu_count() < 2, reason="needs two CUDA GPUs")
+
+
+# A shell without job control starts background jobs with SIGINT ignored, and Python keeps it
+# ignored: the tests that press the notebook's stop button (SIGINT -> KeyboardInterrupt, as in
+# ipykernel) would then wait for their timeout instead. Give the test process Python's default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def rank_processes():

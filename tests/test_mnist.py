@@ -7,20 +7,21 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_two_gpus
 from mnist_shared import offline_source
 
 import ddp_helpers as dh
 from ddp_helpers import data, training
-from ddp_helpers.lessons import mnist
+from ddp_helpers.lessons import mnist_two_gpus as mnist
 from ddp_helpers.mnist import parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-needs_two_gpus = pytest.mark.skipif(dh.gpu_count() < 2, reason="needs two CUDA GPUs")
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def source() -> data.DataSource:
 
 
 def run(variant: str, cfg: mnist.MnistConfig, **kw) -> list[dict]:
+    cfg = replace(cfg, port=dh.free_port())  # the faithful listing's port: a free one in tests
     return dh.launch(mnist.VARIANTS[variant], args=(2, cfg), nprocs=2, timeout=300,
                      output="none", **kw)
 
@@ -64,7 +66,8 @@ def test_records_checkpoint_and_reload(source, tmp_path):
     r0, r1 = results
     assert r0["param_digest"] == r1["param_digest"] and r0["param_sum"] == r1["param_sum"]
     assert len(r0["loss"]) == len(r0["data_s"]) == len(r0["sync_s"]) == 10  # 2 epochs x 5
-    assert all(s >= 0 for s in r0["sync_s"])  # measured on CPU (a number, not NaN)
+    assert r0["epochs"] == [0, 1] and r0["steps_per_epoch"] == [5, 5]
+    assert all(s > 0 for s in r0["sync_s"])  # measured on CPU (a number, not NaN)
     assert r0["reloaded_accuracy"] == r0["accuracy"] == r1["accuracy"]
     epoch0, epoch1 = r0["indices"][:320], r0["indices"][320:]
     assert not torch.equal(epoch0, epoch1)  # set_epoch reshuffled
@@ -75,15 +78,13 @@ def test_records_checkpoint_and_reload(source, tmp_path):
     assert "offline stand-in" in r0["data"]
 
 
-def test_torchrun_style_rank_prepares_data_first(source, tmp_path):
-    root = tmp_path / "data"  # no source given: rank 0 prepares, rank 1 waits, then looks
-    (root / "OfflineDigits").mkdir(parents=True)
-    os.symlink(Path(source.root) / "OfflineDigits" / "raw", root / "OfflineDigits" / "raw")
-    cfg = mnist.MnistConfig(data_root=str(root), download=False, train_subset=640, gather=True,
-                            tag_rank=True)
+def test_without_a_source_the_ranks_find_the_data_themselves(source, monkeypatch):
+    monkeypatch.setenv(data.ROOT_ENV, source.root)  # prepare_data's default root, on the ranks
+    cfg = mnist.MnistConfig(train_subset=640, gather=True)
     results = run("memory", cfg)
     assert results[1] is None and len(results[0]) == 2  # rank 0 gathered every rank's records
     assert results[0][0]["param_digest"] == results[0][1]["param_digest"]
+    assert "offline stand-in" in results[0][0]["data"]
 
 
 def test_cli_rejects_faithful_with_memory(capsys):
@@ -107,6 +108,7 @@ def _accuracy(text: str) -> float:
     return float(found[0])
 
 
+@pytest.mark.slow
 def test_cli_one_epoch_reaches_mnist_like_accuracy(source, tmp_path):
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "ddp_helpers.mnist", "--nprocs", "2", "--epochs",
@@ -115,27 +117,31 @@ def test_cli_one_epoch_reaches_mnist_like_accuracy(source, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "data: offline stand-in digits" in p.stdout
     for rank in (0, 1):
-        assert f"[rank {rank}] epoch 1 step 469/469" in p.stdout
+        assert f"[rank {rank}] rank {rank}: epoch 1 step 469/469" in p.stdout
     assert 0.80 <= _accuracy(p.stdout) <= 0.95  # learns like MNIST: not trivial, not broken
     assert "reloaded with map_location: accuracy" in p.stdout and "(the same)" in p.stdout
     assert (out / "loss_per_rank.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_cli_under_torchrun(source, tmp_path):
     out = tmp_path / "run"
-    p = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(dh.free_port()),
+    # --standalone: torchrun binds a free port itself (a port picked here could be taken by
+    # another process before torchrun binds it)
+    p = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2",
                         "-m", "ddp_helpers.mnist", "--train-subset", "1280", "--num-workers", "0",
                         "--data-root", source.root, "--out", str(out)],
                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     text = p.stdout + p.stderr
     assert p.returncode == 0, text
     assert "under torchrun: 2 ranks" in text
-    assert "[rank 0] epoch 1 step 10/10" in text and "[rank 1] epoch 1 step 10/10" in text
+    assert "rank 0: epoch 1 step 10/10" in text and "rank 1: epoch 1 step 10/10" in text
     assert "parameters identical on every rank (DDP kept them in step): yes" in text
     assert 0 < _accuracy(text) <= 1
     assert (out / "loss_per_rank.png").is_file()
 
 
+@pytest.mark.slow
 def test_cli_as_two_torchrun_nodes_on_one_machine(source, tmp_path):
     port = dh.free_port()
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
@@ -148,7 +154,7 @@ def test_cli_as_two_torchrun_nodes_on_one_machine(source, tmp_path):
     texts = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(texts)
     both = "\n".join(texts)
-    assert "[rank 0] epoch 1 step 10/10" in both and "[rank 1] epoch 1 step 10/10" in both
+    assert "rank 0: epoch 1 step 10/10" in both and "rank 1: epoch 1 step 10/10" in both
     assert 0 < _accuracy(both) <= 1  # printed once, by global rank 0
     assert (tmp_path / "run" / "loss_per_rank.png").is_file()
 
@@ -160,6 +166,9 @@ def test_gpu_fast_path_with_nccl(source):
     results = run("memory", cfg, backend="nccl")
     assert [r["device"] for r in results] == ["cuda:0", "cuda:1"]  # data and model on the GPU
     assert results[0]["param_digest"] == results[1]["param_digest"]
+    for r in results:  # CUDA events in the comm hook: measured, never a made-up 0 or NaN
+        assert r["allreduces"] == [1] * len(r["loss"]) and all(s > 0 for s in r["sync_s"])
+        assert "not measured" not in mnist.time_rows("nccl", [r])[0]
 
 
 @pytest.mark.gpu
@@ -169,6 +178,10 @@ def test_gpu_listing_with_pinned_memory_and_checkpoint_on_other_gpu(source, tmp_
     cfg = mnist.MnistConfig(source=source, train_subset=1280, checkpoint=str(ckpt))
     fixed = run("fixed", cfg, backend="nccl")
     fast = run("memory", mnist.MnistConfig(source=source, train_subset=1280), backend="nccl")
+    faithful = run("faithful", mnist.MnistConfig(source=source, train_subset=1280),
+                   backend="nccl")  # cuda:{rank}, device_ids=[rank]: fine on one machine
+    assert [r["device"] for r in faithful] == ["cuda:0", "cuda:1"]
+    assert faithful[0]["param_digest"] == faithful[1]["param_digest"]
     # Rank 1 reloaded rank 0's cuda:0 checkpoint onto cuda:1 through map_location.
     assert fixed[1]["reloaded_accuracy"] == fixed[1]["accuracy"]
     assert abs(fixed[0]["accuracy"] - fast[0]["accuracy"]) < 0.01

@@ -9,7 +9,7 @@ import torch
 
 import ddp_helpers as dh
 from ddp_helpers import data
-from ddp_helpers.lessons import mnist
+from ddp_helpers.lessons import mnist_two_gpus as mnist
 
 
 def test_rank_killed_while_saving_leaves_the_last_complete_checkpoint(tmp_path, no_leftovers):

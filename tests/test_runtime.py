@@ -10,12 +10,12 @@ import pytest
 import rank_fns
 import timing_fns
 import torch
+from conftest import needs_two_gpus
 
 import ddp_helpers as dh
 
 needs_a_gpu = pytest.mark.skipif(dh.gpu_count() < 1, reason="needs a CUDA GPU")
 one_gpu = pytest.mark.skipif(dh.gpu_count() != 1, reason="needs exactly one GPU")
-needs_two_gpus = pytest.mark.skipif(dh.gpu_count() < 2, reason="needs two CUDA GPUs")
 no_gpu = pytest.mark.skipif(dh.gpu_count() > 0, reason="checks the CPU-only machine")
 BOTH = ("gloo", "nccl")
 

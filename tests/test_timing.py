@@ -7,12 +7,12 @@ import time
 import pytest
 import timing_fns
 import torch
+from conftest import needs_two_gpus
 
 import ddp_helpers as dh
 from ddp_helpers import timing
 
 needs_a_gpu = pytest.mark.skipif(dh.gpu_count() < 1, reason="needs a CUDA GPU")
-needs_two_gpus = pytest.mark.skipif(dh.gpu_count() < 2, reason="needs two CUDA GPUs")
 
 
 def test_timer_measures_the_block_on_cpu():

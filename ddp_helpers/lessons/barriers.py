@@ -1,41 +1,31 @@
-"""Lesson 04: what a barrier guarantees, what goes wrong without one, and how hangs are found.
+"""Lesson 04 (barriers): the helpers its `%%ranks` cells call, what the parent prints about them,
+and the checks of its two exercises.
 
-Every function whose first two parameters are (rank, world_size) runs on each rank through
-`dh.launch`; the others are small helpers. Errors a demo provokes on purpose are caught on the
-rank and returned as text, so the notebook prints every rank's message in rank order.
+The torch.distributed calls the lesson teaches (barrier, monitored_barrier, a subgroup with a
+short timeout, mismatched collectives) are typed in the notebook. Here: the slow writer that
+stands for a download, what a reader finds, the barrier timeline's numbers, and the stable part
+of torch's error messages (their first line without C++ locations; a mismatch reduced to the
+operations it names, never the fingerprint format, which changes between torch releases).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ..runtime import process_group
+from ..checks import Case, case
+from ..exercises import exercise_check, require
+from ..tracebacks import clean_error_text
 
 LINES = 5  # lines in the prepared file, plus a final "END" line that marks it complete
 
-
-def skewed_arrivals(rank: int, world_size: int, work_seconds: list[float]) -> dict:
-    """Each rank works for work_seconds[rank], then waits in dist.barrier: when did it do what?"""
-    with process_group(rank, world_size):  # rank 0 says which backend and why
-        dist.barrier()  # a common starting line, so the timeline starts from the same moment
-        start = time.time()  # wall clock: comparable between processes on one machine
-        time.sleep(work_seconds[rank])  # stands for uneven work: a slow batch, a checkpoint
-        arrive = time.time()
-        dist.barrier()  # nobody leaves until everybody has arrived
-        leave = time.time()
-        return {"rank": rank, "start": start, "arrive": arrive, "leave": leave}
-
-
-def timeline(records: list[dict]) -> list[dict]:
-    """Per-rank times in seconds from the earliest start (parent side)."""
-    t0 = min(r["start"] for r in records)
-    return [{"rank": r["rank"], "start": r["start"] - t0, "arrive": r["arrive"] - t0,
-             "leave": r["leave"] - t0, "waited": r["leave"] - r["arrive"]} for r in records]
+# ---------------------------------------------------------------- a file prepared once
 
 
 def write_slowly(path: str, line_seconds: float = 0.2) -> None:
@@ -59,88 +49,124 @@ def inspect_file(path: str) -> str:
     return f"half-written ({len(lines)} of {LINES + 1} lines)"
 
 
-def prepare_without_barrier(rank: int, world_size: int, path: str,
-                            line_seconds: float = 0.2) -> str:
-    """Rank 0 prepares the file; the others read it at once. Returns what each rank found."""
-    with process_group(rank, world_size, verbose=False):
-        if rank == 0:
-            write_slowly(path, line_seconds)
-        return inspect_file(path)  # a race: rank 1 may look before rank 0 is done
+# ---------------------------------------------------------------- the barrier timeline
 
 
-def prepare_with_barrier(rank: int, world_size: int, path: str,
-                         line_seconds: float = 0.2) -> str:
-    """The same, with a barrier between writing and reading: every rank finds the whole file."""
-    with process_group(rank, world_size, verbose=False):
-        if rank == 0:
-            write_slowly(path, line_seconds)
-        dist.barrier()  # rank 0 arrives only after writing; the others wait here for it
-        return inspect_file(path)
+def timeline(times: list[dict]) -> list[dict]:
+    """Per-rank times (wall clock, from the ranks) in seconds from the earliest start."""
+    t0 = min(t["start"] for t in times)
+    return [{"rank": r, "start": t["start"] - t0, "arrive": t["arrive"] - t0,
+             "leave": t["leave"] - t0, "waited": t["leave"] - t["arrive"]}
+            for r, t in enumerate(times)]
 
 
-def prepare_with(rank: int, world_size: int, path: str, prepare_once,
-                 line_seconds: float = 0.2) -> str:
-    """Run an exercise's prepare_once(rank, path, write) and report what each rank found."""
-    with process_group(rank, world_size, verbose=False):
-        prepare_once(rank, path, lambda p: write_slowly(p, line_seconds))
-        return inspect_file(path)
+def timeline_facts(rows: list[dict]) -> None:
+    """Print what a barrier timeline shows that does not depend on the clock."""
+    last = max(rows, key=lambda r: r["arrive"])
+    print("order of arrival:", [r["rank"] for r in sorted(rows, key=lambda r: r["arrive"])])
+    print("every rank left after the last one arrived:",
+          all(r["leave"] >= last["arrive"] for r in rows))
+    print("the rank that waited longest:", max(rows, key=lambda r: r["waited"])["rank"])
 
 
-def monitored_barrier_demo(rank: int, world_size: int, late_ranks: list[int],
-                           timeout_s: float = 1.0) -> str:
-    """Ranks in late_ranks stay busy past the timeout; the rest call monitored_barrier."""
-    with process_group(rank, world_size, backend="gloo", verbose=False):  # gloo only
-        if rank in late_ranks:
-            time.sleep(timeout_s + 1.5)  # stuck in slow work while the others wait
-            return "busy: never reached the barrier"
-        try:
-            # wait_all_ranks: rank 0 collects every missing rank instead of stopping at the first
-            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-        except RuntimeError as e:
-            return f"RuntimeError: {e}"
-        return "passed the barrier"
+# ---------------------------------------------------------------- torch's messages, stable part
 
 
-def mismatched_collectives(rank: int, world_size: int, timeout_s: float = 3.0) -> dict:
-    """Rank 0 calls all_reduce while the others call broadcast: a bug DETAIL mode names."""
-    with process_group(rank, world_size, backend="gloo", timeout_s=timeout_s, verbose=False):
-        t = torch.full((3,), float(rank + 1))
-        start = time.monotonic()
-        try:
-            if rank == 0:
-                dist.all_reduce(t)
-            else:
-                dist.broadcast(t, src=0)  # the bug: a different collective on this rank
-            error = None
-        except RuntimeError as e:
-            error = f"RuntimeError: {e}"
-        return {"error": error, "seconds": time.monotonic() - start, "tensor": t}
+def first_line(error: BaseException | str) -> str:
+    """An error's first line, without the C++ source location torch puts in front of it."""
+    text = clean_error_text(str(error))
+    return (text.splitlines() or [""])[0].strip()
 
 
-def collective_timeout(rank: int, world_size: int, timeout_s: float = 2.0) -> dict:
-    """init_process_group(timeout=...): rank 0's all_reduce gives up when rank 1 never comes."""
-    # Called directly (not through dh.process_group) to show the argument where it is set.
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+def named_ranks(message: str) -> list[int]:
+    """The ranks a monitored_barrier error names ("Rank 1 failed ..." / "Ranks 1, 2 failed")."""
+    found = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", message)
+    return [int(r) for r in found.group(1).replace(",", " ").split()] if found else []
+
+
+def mismatch_summary(message: str) -> str:
+    """What a TORCH_DISTRIBUTED_DEBUG=DETAIL mismatch error says, without its fingerprint
+    format: that the collectives differ, and which operation each rank it names was running."""
+    if "Detected mismatch between collectives" not in message:
+        return f"no mismatch reported: {first_line(message)}"
+    calls = re.findall(r"Rank (\d+) is running collective: \w+\([^)]*?OpType=(\w+)", message)
+    if not calls:
+        return "mismatch detected"
+    named = ", ".join(f"rank {r} ran {op}" for r, op in sorted(dict(calls).items()))
+    return f"mismatch detected: {named}"
+
+
+def timeout_facts(errors: list[str | None], waited: list[float], timeout_s: float) -> None:
+    """Print what is certain after a collective that timed out on some ranks: which rank's
+    error came first is a race (a rank that times out closes its connections, so its peers may
+    fail with "connection closed" before their own timeout), but the first one is a timeout."""
+    timed_out = [first_line(e) for e in errors if e and "timed out" in e.lower()]
+    print("every rank's collective raised:", all(e is not None for e in errors))
+    print("gloo's message where it timed out:", timed_out[0] if timed_out else "(none)")
+    print(f"the longest wait reached the group's {timeout_s:g} s timeout:",
+          max(waited) >= timeout_s)
+
+
+# ---------------------------------------------------------------- exercises
+
+
+def _shared_folder() -> str:
+    """A fresh temporary folder, made by rank 0 and named to every rank (a collective)."""
+    name = [tempfile.mkdtemp(prefix="ddp_kit_prepare_once_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def _counting_writer(calls: list[str], seconds: float):
+    """write_slowly at `seconds` per line, noting each call in `calls`."""
+    def write(path: str) -> None:
+        calls.append(path)
+        write_slowly(path, seconds)
+    return write
+
+
+@exercise_check("prepare_once", "ranks")
+def check_prepare_once(namespace: dict) -> list[Case]:
+    """prepare_once(rank, path, write): write runs once, on rank 0, and no rank returns before
+    the file is complete. Two files, written at two speeds."""
+    fn = require(namespace, "prepare_once")
+    rank = dist.get_rank()
+    folder = _shared_folder()
+    cases = []
     try:
-        if rank != 0:
-            time.sleep(timeout_s + 1.0)  # hung: a deadlock, a dead data loader, an endless loop
-            return {"error": None, "seconds": None}
-        start = time.monotonic()
-        try:
-            dist.all_reduce(torch.ones(3))
-            return {"error": None, "seconds": time.monotonic() - start}
-        except RuntimeError as e:
-            return {"error": f"RuntimeError: {e}", "seconds": time.monotonic() - start}
+        for label, seconds in (("a slow writer", 0.1), ("a slower writer", 0.25)):
+            path = os.path.join(folder, label.replace(" ", "_") + ".txt")
+            calls: list[str] = []
+            fn(rank, path, _counting_writer(calls, seconds))
+            cases.append(case(f"{label}: the file when prepare_once returned",
+                              inspect_file(path), "complete"))
+            count = torch.tensor([len(calls)])
+            dist.all_reduce(count)  # every rank waits here for the writer, whatever fn did
+            cases.append(case(f"{label}: calls of write on all ranks together",
+                              int(count.item()), 1))
     finally:
-        dist.destroy_process_group()
-
-
-def hang_forever(rank: int, world_size: int) -> None:
-    """Rank 1 never reaches the barrier; the run only ends when dh.launch's timeout stops it."""
-    with process_group(rank, world_size, verbose=False):
-        if rank == 1:
-            print("rank 1: stuck in work that never ends", flush=True)
-            time.sleep(3600)
-        print(f"rank {rank}: waiting in dist.barrier()", flush=True)
         dist.barrier()
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    return cases
+
+
+# Three ranks; ranks 1 and 2 never reach rank 0's monitored_barrier. Which ranks does rank 0's
+# error name, with wait_all_ranks=True and with wait_all_ranks=False? (tests check these on
+# real ranks: ProcessGroupGloo waits for ranks 1, 2, ... in order.)
+MONITORED_NAMES = {True: [1, 2], False: [1]}
+
+
+@exercise_check("monitored_barrier_names", "prediction",
+                wrong_answer={True: [1, 2], False: [1, 2]})
+def check_monitored_barrier_names(answer) -> list[Case]:
+    """A prediction: {True: [ranks named], False: [ranks named]}, keyed by wait_all_ranks."""
+    if not isinstance(answer, dict):
+        return [Case("the prediction", False, "write a dict, e.g. {True: [...], False: [...]}, "
+                                              f"got {type(answer).__name__}")]
+    cases = []
+    for key, names in MONITORED_NAMES.items():
+        got = sorted(answer.get(key) or [])
+        cases.append(Case(f"wait_all_ranks={key}", got == names,
+                          f"you predicted {got}, rank 0's error names {names}"))
+    return cases

@@ -17,6 +17,7 @@ from torch.utils.data import DistributedSampler
 
 from ..checks import Case, case
 from ..exercises import exercise_check, require
+from ..models import flat_params
 
 # No `from __future__ import annotations` in this file: DDP's register_comm_hook checks the
 # hook's annotations at run time, and strings would not match.
@@ -50,11 +51,6 @@ def rank_batch(step: int, size: int, rank: int, world_size: int,
     """This rank's share of step `step`'s global batch of `size` samples, on its device."""
     x, y = global_batch(step, size)
     return rank_slice(x, rank, world_size).to(device), rank_slice(y, rank, world_size).to(device)
-
-
-def flat_params(model: nn.Module) -> torch.Tensor:
-    """All parameters as one CPU vector, in `model.parameters()` order."""
-    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
 def flat_grads(model: nn.Module) -> torch.Tensor:

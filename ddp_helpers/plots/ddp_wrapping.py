@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from matplotlib.patches import Patch, Rectangle
 
-from .common import new_axes, rank_color
+from .common import finish, new_axes, rank_color
 
 
 def gradient_sync_plot(local: list, synced: list):
@@ -17,12 +17,8 @@ def gradient_sync_plot(local: list, synced: list):
                 label=f"rank {rank}: its own gradient (no_sync)")
     ax.plot(synced[0].numpy(), color="black", linewidth=1.2,
             label="every rank after DDP's backward (the mean)")
-    ax.set_title("backward all-reduces and averages the gradients")
-    ax.set_xlabel("parameter index (all tensors flattened)")
-    ax.set_ylabel("gradient")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return finish(fig, ax, "parameter index (all tensors flattened)", "gradient",
+                  "backward all-reduces and averages the gradients", {"fontsize": 8})
 
 
 def sampler_assignment_plot(without_set_epoch: list[list[list[int]]],

@@ -1,4 +1,5 @@
-"""Solution: algorithm bandwidth is bytes over time; bus bandwidth scales it by 2(N-1)/N."""
+"""Solution (lesson 07): algorithm bandwidth is bytes over time; bus bandwidth scales it by
+2(N-1)/N."""
 
 
 def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:

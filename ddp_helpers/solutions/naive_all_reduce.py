@@ -1,4 +1,5 @@
-"""Solution: all-reduce through rank 0 with send/recv only (correct, but rank 0 is a bottleneck)."""
+"""Solution (lesson 01): all-reduce through rank 0 with send/recv only (correct, but rank 0 is
+a bottleneck)."""
 
 import torch
 import torch.distributed as dist

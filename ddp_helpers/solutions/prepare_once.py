@@ -1,4 +1,4 @@
-"""Exercise (lesson 04): rank 0 prepares a file once; nobody reads it before it is complete."""
+"""Solution (lesson 04): rank 0 prepares a file once; nobody reads it before it is complete."""
 
 import torch.distributed as dist
 

@@ -1,4 +1,5 @@
-"""Solution: all_gather as a ring with isend/recv, the second half of the ring all-reduce."""
+"""Solution (lesson 01): all_gather as a ring with isend/recv, the second half of the ring
+all-reduce."""
 
 import torch
 import torch.distributed as dist

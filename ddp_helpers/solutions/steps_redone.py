@@ -1,4 +1,4 @@
-"""Solution: how many steps a restart redoes when a rank dies at `fault_step`."""
+"""Solution (lesson 08): how many steps a restart redoes when a rank dies at `fault_step`."""
 
 
 def steps_redone(fault_step: int, ckpt_every: int) -> int:

@@ -1,4 +1,4 @@
-"""Solution: the torchrun flags one node of a Slurm job needs, from Slurm's variables."""
+"""Solution (lesson 08): the torchrun flags one node of a Slurm job needs, from its variables."""
 
 
 def torchrun_flags_from_slurm(env: dict[str, str], hostnames: list[str]) -> dict[str, str]:

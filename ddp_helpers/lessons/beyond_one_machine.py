@@ -1,12 +1,13 @@
-"""Lesson 08's training function: one function that runs unchanged under dh.launch, under
-`torchrun --nproc-per-node 2`, and as two torchrun "nodes" that meet through c10d rendezvous.
+"""Lesson 08: one training function that runs unchanged under dh.launch, under `torchrun`, and as
+two torchrun "nodes" that meet through c10d rendezvous; a killed rank that torchrun restarts and
+that resumes from the checkpoint; and the Slurm scripts in examples/, tested without Slurm.
 
-It writes what it did to files instead of only returning it, because torchrun's workers have no
-parent to return to: per-rank JSON Lines records (one line per step) and an atomic checkpoint
+`train` writes what it did to files instead of only returning it, because torchrun's workers have
+no parent to return to: per-rank JSON Lines records (one line per step) and an atomic checkpoint
 every `ckpt_every` steps, from which a restarted group resumes. The data order is a function of
 (seed, step) alone, so a resumed run sees exactly the batches the interrupted one would have.
 
-    python -m ddp_helpers.lessons.multinode --out DIR --steps 30     # what torchrun starts
+    torchrun --nproc-per-node 2 -m ddp_helpers.lessons.beyond_one_machine --out DIR --steps 30
 """
 
 from __future__ import annotations
@@ -14,21 +15,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import signal
+import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_helpers.runtime import process_group
+from ddp_helpers.checks import Case, case
+from ddp_helpers.exercises import exercise_check, require
+from ddp_helpers.models import flat_params
+from ddp_helpers.runtime import device_ids, process_group
+from ddp_helpers.tracebacks import clean_error_text
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 1024, 8, 4
 GLOBAL_BATCH = 64  # split evenly over the ranks, so 1, 2 or 4 ranks take the same steps
 CHECKPOINT = "checkpoint.pt"
 FINAL = "final.pt"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "slurm_torchrun.sh"
 
 # ---------------------------------------------------------------- data, model, data order
 
@@ -97,10 +110,12 @@ def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every:
         raise ValueError(f"rank {rank}: fault_step={fault_step} is outside steps 1..{steps}; "
                          "pick a step inside the run, or None for no fault.")
     torch.set_num_threads(1)  # same arithmetic under every launcher (torchrun sets 1 thread too)
-    # torchrun counts the group's restarts; under dh.launch there are none, so attempt 0.
+    # torchrun counts its agent's restarts; under dh.launch there are none, so attempt 0.
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = Path(out_dir)
     (out / "records").mkdir(parents=True, exist_ok=True)
+    # The device comes from LOCAL_RANK (this machine's worker number), never from the global
+    # rank: on a second node rank 2 is that node's cuda:0.
     with process_group(rank, world_size, backend=backend, verbose=False) as device:
         x, y = make_dataset(seed)
         model = make_model(seed).to(device)
@@ -113,13 +128,14 @@ def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
             start = ckpt["step"]
-        ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        ddp = DistributedDataParallel(model, device_ids=device_ids(device))
         if rank == 0:
             _say_where_we_start(out, attempt, start, ckpt_every)
         losses = []
         with open(out / "records" / f"rank{rank}.attempt{attempt}.jsonl", "w") as log:
             _write(log, {"event": "start", "rank": rank, "world_size": world_size,
-                         "attempt": attempt, "resumed_from": start,
+                         "attempt": attempt, "resumed_from": start, "device": str(device),
+                         "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
                          "group_rank": int(os.environ.get("GROUP_RANK", "0"))})
             for step in range(start + 1, steps + 1):
                 if step == fault_step and attempt == 0:
@@ -141,14 +157,9 @@ def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every:
                 "params": params}
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    """All parameters of a model as one flat CPU tensor (for comparing runs)."""
-    return torch.cat([p.detach().cpu().flatten() for p in model.parameters()])
-
-
-def _write(log, record: dict) -> None:
+def _write(log, rec: dict) -> None:
     # One line per step, flushed: a rank killed mid-run keeps every line it wrote before.
-    log.write(json.dumps(record) + "\n")
+    log.write(json.dumps(rec) + "\n")
     log.flush()
 
 
@@ -224,21 +235,59 @@ def final_params(out_dir: str | os.PathLike) -> torch.Tensor:
     return torch.load(Path(out_dir) / FINAL, map_location="cpu", weights_only=True)["params"]
 
 
-def fresh_dir(path: str | os.PathLike) -> str:
-    """An empty directory at path (a run resumes from whatever checkpoint it finds there)."""
-    import shutil
+# ---------------------------------------------------------------- torchrun agents from a cell
 
-    shutil.rmtree(path, ignore_errors=True)
-    Path(path).mkdir(parents=True)
-    return str(path)
+
+def torchrun_agents(commands: list[str], envs: list[dict] | None = None, timeout: float = 240,
+                    log_dir: str | os.PathLike | None = None) -> list[dict]:
+    """Start every command at once (each a `torchrun ...` line: one agent, i.e. one "node") and
+    wait for all; torchrun is this venv's, with `--log-dir log_dir` when given (its error files
+    go there). Each agent's exit code and output come back, the output without machine paths:
+    log_dir shown as <logs>, other temporary paths as <tmp>, the rest relative to the checkout."""
+    envs = envs or [{}] * len(commands)
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if log_dir is not None:
+        torchrun += ["--log-dir", str(log_dir)]
+    procs = [subprocess.Popen(torchrun + shlex.split(cmd)[1:], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, **env}, start_new_session=True)
+             for cmd, env in zip(commands, envs)]
+    runs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            runs.append({"returncode": p.returncode, "output": readable(out, log_dir)})
+    finally:
+        for p in procs:  # a hung agent: stop it and its workers
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return runs
+
+
+def readable(text: str, log_dir: str | os.PathLike | None = None) -> str:
+    """torchrun's output without this machine's paths (for a notebook's committed output)."""
+    swaps = [(sys.executable, "python"), (os.path.realpath(sys.executable), "python")]
+    if log_dir is not None:
+        swaps += [(os.path.realpath(log_dir), "<logs>"), (str(log_dir), "<logs>")]
+    swaps += [(os.path.realpath(tempfile.gettempdir()), "<tmp>"), (tempfile.gettempdir(), "<tmp>")]
+    for old, new in swaps:
+        text = text.replace(old, new)
+    # Per line: no C++ source locations, no caret lines (they change with the torch and Python
+    # versions), library files by their package path alone (torch/...), wherever the venv is.
+    lines = [re.sub(r"\S*(?:site|dist)-packages/", "", clean_error_text(line))
+             for line in text.splitlines()
+             if not re.fullmatch(r"(\[rank\d+\]:)?\s*[\^~]+[\s^~]*", line)]
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 # ---------------------------------------------------------------- the command line torchrun runs
 
 
+@record  # an exception is written to $TORCHELASTIC_ERROR_FILE, for torchrun's failure report
 def main(argv: list[str] | None = None) -> int:
     """Entry point for torchrun: rank and world size come from the environment it sets."""
-    p = argparse.ArgumentParser(prog="python -m ddp_helpers.lessons.multinode",
+    p = argparse.ArgumentParser(prog="python -m ddp_helpers.lessons.beyond_one_machine",
                                 description="Lesson 08's training run; start it with torchrun.")
     p.add_argument("--out", required=True, help="directory for records and checkpoints")
     p.add_argument("--steps", type=int, default=30)
@@ -253,11 +302,90 @@ def main(argv: list[str] | None = None) -> int:
                if v not in os.environ]
     if missing:
         p.error(f"{', '.join(missing)} not set: this module is what each worker runs. Start it "
-                "with `torchrun --nproc-per-node 2 -m ddp_helpers.lessons.multinode --out DIR`, "
-                "or call train() through ddp_helpers.launch.")
+                "with `torchrun --nproc-per-node 2 -m ddp_helpers.lessons.beyond_one_machine "
+                "--out DIR`, or call train() through ddp_helpers.launch.")
     train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.out, args.steps,
           args.ckpt_every, args.fault_step, args.fault_rank, args.seed, args.backend)
     return 0
+
+
+# ---------------------------------------------------------------- Slurm, without Slurm
+
+
+# Fake allocations: what srun would set on one node of each (and `scontrol show hostnames`).
+ALLOCATIONS = [
+    ({"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_NUM_NODES": "2",
+      "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2"}, ["gpu07", "gpu08"]),
+    ({"SLURM_JOB_ID": "918273", "SLURM_JOB_NODELIST": "a100-[3,5,9-10]",
+      "SLURM_JOB_NUM_NODES": "4", "SLURM_NODEID": "2", "SLURM_GPUS_ON_NODE": "8"},
+     ["a100-3", "a100-5", "a100-9", "a100-10"]),
+    ({"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "cpu01", "SLURM_JOB_NUM_NODES": "1",
+      "SLURM_NODEID": "0", "MASTER_PORT": "12345"}, ["cpu01"]),
+]
+_OURS = ("MASTER_PORT", "NPROC_PER_NODE", "TORCHRUN", "MAX_RESTARTS", "DRY_RUN")
+
+
+def slurm_torchrun_command(env: dict[str, str], hostnames: list[str]) -> list[str]:
+    """The torchrun command slurm_torchrun.sh builds on a node with these Slurm variables, found
+    by running the script itself with DRY_RUN=1 and a fake `scontrol`."""
+    with tempfile.TemporaryDirectory() as bin_dir:
+        scontrol = Path(bin_dir, "scontrol")  # prints the node list, as the real one would
+        scontrol.write_text("#!/bin/sh\nprintf '%s\\n' "
+                            + " ".join(shlex.quote(h) for h in hostnames) + "\n")
+        scontrol.chmod(0o755)
+        full = {k: v for k, v in os.environ.items()
+                if not k.startswith("SLURM_") and k not in _OURS}
+        full.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", DRY_RUN="1")
+        p = subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True,
+                           timeout=60)
+    if p.returncode != 0:
+        raise RuntimeError(f"{SCRIPT.name} failed with exit code {p.returncode}: "
+                           f"{p.stderr.strip()}")
+    return p.stdout.split()
+
+
+def flags(command: list[str]) -> dict[str, str]:
+    """The --flag value pairs of a command line, as a dict."""
+    return {a: b for a, b in zip(command, command[1:]) if a.startswith("--")}
+
+
+def torchrun_flag_cases(fn: Callable[[dict, list[str]], dict[str, str]]) -> list[Case]:
+    """One case per fake allocation: fn(env, hostnames) against the script's own flags."""
+    cases = []
+    for env, hosts in ALLOCATIONS:
+        name = f"job {env['SLURM_JOB_ID']}, node {env['SLURM_NODEID']}"
+        expected = flags(slurm_torchrun_command(env, hosts))
+        got = fn(dict(env), list(hosts))
+        if not isinstance(got, dict):
+            cases.append(Case(name, False, f"got {got!r}, expected a dict of flags"))
+            continue
+        wrong = [f"{k} is {got.get(k)!r}, expected {v!r}" for k, v in expected.items()
+                 if got.get(k) != v]
+        wrong += [f"{k} is not in the script's command" for k in sorted(set(got) - set(expected))]
+        cases.append(Case(name, not wrong, "; ".join(wrong)))
+    return cases
+
+
+# ---------------------------------------------------------------- exercises
+
+
+@exercise_check("torchrun_flags_from_slurm", "file")
+def check_torchrun_flags_from_slurm(module) -> list:
+    """The learner's flags against examples/slurm_torchrun.sh's, for three fake allocations."""
+    return torchrun_flag_cases(require(module, "torchrun_flags_from_slurm"))
+
+
+# (fault step, checkpoint interval) -> steps redone; tests/test_lesson_beyond_one_machine.py
+# measures each with a real killed-and-relaunched run.
+REDONE = {(13, 5): 2, (7, 4): 2, (11, 5): 0, (10, 5): 4, (3, 10): 2}
+
+
+@exercise_check("steps_redone", "file")
+def check_steps_redone(module) -> list:
+    """The learner's formula against the steps measured as redone after a kill."""
+    fn = require(module, "steps_redone")
+    return [case(f"killed at step {f}, checkpoint every {k}", fn(f, k), redone)
+            for (f, k), redone in REDONE.items()]
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""Figures for lesson 06 (and the panels of 05 and 06), drawn in the parent from rank records."""
+"""Lesson 06's figures (and its panel's), drawn in the parent from the records ranks returned."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..lessons import grad_sync as gs
+from ..lessons import gradient_sync_effects as gs
 from .common import new_axes, rank_color
 
 _STYLES = ["-", "--", ":", "-."]  # ranks whose lines coincide stay visible, one dash each
@@ -49,13 +49,14 @@ def loss_and_distance_plot(results: list[dict], title: str | None = None, window
     first = results[0]
     sync = {"ddp": "sync on (DDP)", "none": "sync off",
             "average": f"average every {first['every']}"}
-    fig.suptitle(title or f"{first['world_size']} rank(s), {sync[first['sync']]}, "
+    split = "IID shards" if first["split"] == "iid" else "split by label"
+    fig.suptitle(title or f"{first['world_size']} rank(s), {sync[first['sync']]}, {split}, "
                  f"lr {first['lr']:g}, batch {first['batch_size']} per rank")
     fig.tight_layout()
     return fig
 
 
-def sync_modes_plot(runs: dict[str, list[dict]], window: int = 10):
+def sync_modes_plot(runs: dict[str, list[dict]], window: int = 10, title: str = ""):
     """For each way of syncing: the ranks' parameter distance (left) and mean loss (right)."""
     fig, axes = new_axes(ncols=2, width=5.2, height=3.4)
     ax_gap, ax_loss = axes[0]
@@ -75,6 +76,8 @@ def sync_modes_plot(runs: dict[str, list[dict]], window: int = 10):
     ax_loss.set_ylabel(f"loss, mean of the ranks ({window}-step mean)")
     ax_loss.set_title("Training loss")
     ax_loss.legend(loc="upper right")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
 
@@ -98,32 +101,27 @@ def lr_scaling_plot(runs: list[tuple[int, str, list[dict]]], window: int = 10):
     return fig
 
 
-def allreduce_cost_plot(measured: list[list[dict]], fit: tuple[float, float],
-                        names: list[str] | None = None):
-    """Measured all-reduce seconds against bytes per world size, with alpha + 2(N-1)/N bytes/B."""
+def allreduce_cost_plot(measured: list[list[dict]], fit: tuple[float, float]):
+    """Measured all-reduce seconds against bytes per world size, with the ring model
+    t = 2(N-1) alpha + 2(N-1)/N * S / B fitted to all the points."""
     alpha, bandwidth = fit
     fig, axes = new_axes(width=7.0, height=3.8)
     ax = axes[0][0]
+    for n, nbytes, seconds in gs.cost_points(measured):
+        ax.plot(nbytes, seconds * 1e3, "o", color=rank_color(n - 1))
     for results in measured:
-        r0 = results[0]
-        n = r0["world_size"]
-        nbytes = np.array(r0["numels"]) * 4
-        seconds = np.max([r["seconds"] for r in results], axis=0)  # the slowest rank decides
-        color = rank_color(n - 1)
-        ax.plot(nbytes, seconds * 1e3, "o", color=color, label=f"{n} ranks, measured")
-        grid = np.geomspace(nbytes.min(), nbytes.max(), 50)
-        model = [gs.alpha_beta_seconds(b, n, alpha, bandwidth) * 1e3 for b in grid]
-        ax.plot(grid, model, "-", color=color, alpha=0.7,
-                label=f"{n} ranks, model: alpha + {gs.ring_factor(n):.2g} x bytes / B")
-    if names:
-        for name, b in zip(names, nbytes):
-            ax.annotate(name, (b, ax.get_ylim()[0]), fontsize="x-small", rotation=90,
-                        va="bottom", ha="right", color="gray")
+        n = results[0]["world_size"]
+        sizes = 4.0 * np.array(results[0]["numels"])
+        grid = np.geomspace(sizes.min(), sizes.max(), 50)
+        model = [gs.ring_seconds(b, n, alpha, bandwidth) * 1e3 for b in grid]
+        ax.plot(grid, model, "-", color=rank_color(n - 1), alpha=0.7,
+                label=f"{n} ranks: measured (dots), model {gs.latency_steps(n)} alpha + "
+                      f"{gs.ring_factor(n):.2g} S/B")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("gradient bytes all-reduced (float32)")
+    ax.set_xlabel("bytes all-reduced, S (float32)")
     ax.set_ylabel("milliseconds per all-reduce")
-    ax.set_title(f"All-reduce cost as the model grows (fit: alpha {alpha * 1e6:.0f} us, "
+    ax.set_title(f"Ring all-reduce cost (fit: alpha {alpha * 1e6:.0f} us, "
                  f"B {bandwidth / 1e9:.2g} GB/s)")
     ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()

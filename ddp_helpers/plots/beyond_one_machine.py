@@ -1,11 +1,11 @@
-"""Lesson 08's figures: one training run launched three ways, and a run killed and resumed."""
+"""Lesson 08's figures: one training run launched several ways, and a run killed and resumed."""
 
 from __future__ import annotations
 
-from .common import new_axes, rank_color
+from .common import finish, new_axes, rank_color
 
 
-def loss_three_ways(runs: dict[str, dict[int, list[float]]]):
+def loss_by_launcher(runs: dict[str, dict[int, list[float]]]):
     """One panel per way of launching: each rank's loss per step, the same axes for all."""
     fig, axes = new_axes(ncols=len(runs), width=4.0, height=3.2, sharey=True)
     for ax, (way, by_rank) in zip(axes[0], runs.items()):
@@ -16,7 +16,7 @@ def loss_three_ways(runs: dict[str, dict[int, list[float]]]):
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("training loss (this rank's batch)")
-    fig.suptitle("The same function, launched three ways: the same curves")
+    fig.suptitle(f"The same function, launched {len(runs)} ways: the same curves")
     fig.tight_layout()
     return fig
 
@@ -44,9 +44,6 @@ def loss_through_restart(records: list[dict], uninterrupted: dict[int, list[floa
             ax.axvline(start + 0.5, color="black", ls=":", lw=1,
                        label=f"checkpoint of step {start}")
             ax.axvline(before + 1, color="red", lw=1, label=f"rank killed at step {before + 1}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (this rank's batch)")
-    ax.set_title("A rank killed, the group restarted by torchrun, training resumed")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
+    return finish(fig, ax, "step", "training loss (this rank's batch)",
+                  "A rank killed, the group restarted by torchrun, training resumed",
+                  {"fontsize": 7, "ncol": 2})

@@ -1,4 +1,5 @@
-"""Lesson 01's figures: every rank's tensor before and after a collective, the ring, timings."""
+"""Lesson 01's figures, drawn in the parent from what the ranks returned: every rank's tensor
+before and after a collective, a barrier's arrivals, the ring's steps, and timings."""
 
 from __future__ import annotations
 
@@ -61,8 +62,10 @@ def before_after(name: str, before: list, after: list):
     world_size = len(before)
     width = max(len(t.flatten()) for t in before + after if t is not None)
     fig, axes = new_axes(ncols=2, width=5.0, height=0.55 * world_size + 1.3)
-    _draw_rows(axes[0, 0], before, "own", 2, "(only a receive buffer)", width)
-    _draw_rows(axes[0, 1], after, AFTER_ORIGIN.get(name, "mixed"), 2,
+    longest_after = max(len(t.flatten()) for t in after if t is not None)
+    chunk = max(1, longest_after // world_size)  # all_gather/gather: chunk k is rank k's
+    _draw_rows(axes[0, 0], before, "own", chunk, "(only a receive buffer)", width)
+    _draw_rows(axes[0, 1], after, AFTER_ORIGIN.get(name, "mixed"), chunk,
                "(no result here)", width)
     axes[0, 0].set_title("before")
     axes[0, 1].set_title("after")
@@ -77,13 +80,14 @@ def before_after(name: str, before: list, after: list):
     return fig
 
 
-def barrier_timeline(arrived: list, left: list):
-    """When each rank reached dist.barrier() and when it was let through (wall-clock times)."""
-    origin = min(float(t.item()) for t in arrived)
+def barrier_timeline(arrived: list[float], left: list[float]):
+    """When each rank reached dist.barrier() and when it was let through (wall-clock seconds,
+    comparable between processes on one machine)."""
+    origin = min(arrived)
     fig, axes = new_axes(width=7.0, height=0.5 * len(arrived) + 1.5)
     ax = axes[0, 0]
     for r, (a, b) in enumerate(zip(arrived, left, strict=True)):
-        a, b = float(a.item()) - origin, float(b.item()) - origin
+        a, b = a - origin, b - origin
         ax.barh(r, b - a, left=a, color=rank_color(r), alpha=0.45, label=f"rank {r} waiting")
         ax.plot([a], [r], "o", color=rank_color(r))
         ax.plot([b], [r], "|", color="black", markersize=14)
@@ -92,7 +96,7 @@ def barrier_timeline(arrived: list, left: list):
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first rank arrived (dot: arrived, bar end: left)")
     ax.set_title("barrier: everyone leaves once the last rank has arrived")
-    ax.set_xlim(-0.03, max(float(t.item()) - origin for t in left) * 1.15 + 0.01)
+    ax.set_xlim(-0.03, max(b - origin for b in left) * 1.15 + 0.01)
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
     return fig
@@ -144,8 +148,9 @@ def ring_steps(steps_per_rank: list[list]):
     return fig
 
 
-def timing_bars(timings: dict):
-    """Median seconds per all-reduce, grouped by tensor size, one bar per implementation."""
+def timing_bars(timings: dict, world_size: int):
+    """Median seconds per all-reduce, grouped by tensor size, one bar per implementation
+    (`timings[size][implementation]`, one rank's)."""
     sizes = list(timings)
     impls = list(timings[sizes[0]])
     fig, axes = new_axes(width=7.0, height=3.5)
@@ -161,7 +166,8 @@ def timing_bars(timings: dict):
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())  # "3x10^0" labels help nobody
     ax.set_ylabel("milliseconds per all-reduce (median)")
-    ax.set_title("a Python ring vs the backend's all_reduce (rank 0's timings)")
+    ax.set_title(f"a Python ring vs the backend's all_reduce, {world_size} ranks "
+                 "(rank 0's timings)")
     ax.legend()
     fig.tight_layout()
     return fig

@@ -1,0 +1,504 @@
+"""Lesson 09: DistributedDataParallel rebuilt by hand, in four versions, each held against torch.
+
+The notebook runs these on persistent ranks (`%%ranks`): a version is the learner's functions
+(or, until they are written, the kit's solution), trained for a few steps next to torch's DDP
+and a single process on the whole batch, with its collectives counted by torch's CommDebugMode.
+Everything returned to the parent is plain data (lists, dicts, floats, CPU tensors).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .. import compat
+from ..checks import Case, case
+from ..exercises import NotAttempted, exercise_check, require, solution_module
+from ..models import flat_params
+from ..runtime import device_ids
+from ..timing import Timer
+
+STEPS, LR, BATCH, SEQ = 3, 0.5, 16, 6
+RTOL, ATOL = 1e-5, 1e-6  # float32 sums taken in another order: a few ulps apart at most
+SMALL = {"vocab": 32, "width": 16, "depth": 2}  # checks: 7 parameters, 6 with gradients
+LARGE = {"vocab": 1024, "width": 256, "depth": 6}  # timing: 14 gradients, 2.6 MiB
+LARGE_BATCH = 64
+TIMED = ("none", "naive", "flat", "overlapped", "bucketed", "ddp")
+# Caps that give the large model 14, 7, 4, 3, 2 and 1 buckets (a layer is 257 KiB).
+SWEEP_CAPS_MB = (0.0005, 0.25, 0.5, 0.75, 1.0, 4.0)
+SWEEP_BUCKETS = [14, 7, 4, 3, 2, 1]
+AR_SIZES = [4**k for k in range(1, 12)]  # 4 B .. 4 MiB, for alpha and B
+
+
+# ---------------------------------------------------------------- the model and its data
+
+
+class TiedNet(nn.Module):
+    """Embedding -> mean over the sequence -> frozen projection -> MLP -> head tied to the
+    embedding: one tensor used twice, and one that never gets a gradient."""
+
+    def __init__(self, vocab: int, width: int, depth: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.frozen = nn.Linear(width, width)
+        self.frozen.weight.requires_grad_(False)  # e.g. a pretrained projection kept fixed
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                                    for _ in range(depth)])
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: one Parameter, two uses, one gradient
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.frozen(self.embed(tokens).mean(dim=1)))
+        return self.head(self.body(h))
+
+
+def tied_model(seed: int = 0, vocab: int = 32, width: int = 16, depth: int = 2) -> TiedNet:
+    """A TiedNet whose initial weights depend only on `seed`."""
+    torch.manual_seed(seed)
+    return TiedNet(vocab, width, depth)
+
+
+def global_batch(step: int, size: int = BATCH, vocab: int = 32) -> tuple[torch.Tensor, ...]:
+    """Step `step`'s whole batch: token sequences and the token to predict (any rank can make
+    it: it depends only on `step`)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randint(0, vocab, (size, SEQ), generator=g),
+            torch.randint(0, vocab, (size,), generator=g))
+
+
+def rank_batch(step: int, rank: int, world_size: int, device: torch.device,
+               size: int = BATCH, vocab: int = 32) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s equal share of step `step`'s batch, on its device."""
+    per_rank = size // world_size
+    return tuple(t[rank * per_rank:(rank + 1) * per_rank].to(device)
+                 for t in global_batch(step, size, vocab))
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy: the mean of equal shards' means is the whole batch's mean."""
+    return F.cross_entropy(logits, target)
+
+
+def gradient_bytes(params) -> int:
+    """Bytes of the gradients of these parameters (those that need one)."""
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
+# ---------------------------------------------------------------- versions of DDP
+
+
+@dataclass
+class Version:
+    """One way to keep replicas in sync: setup(model) -> (module to call, state) once, then
+    sync(state) after each backward, before the optimizer step."""
+
+    name: str
+    setup: Callable[[nn.Module], tuple[nn.Module, object]]
+    sync: Callable[[object], None]
+    source: str = "the kit's solution"
+
+
+EXERCISES = {"naive": "naive_ddp", "flat": "flat_ddp", "overlapped": "overlapped_ddp",
+             "bucketed": "bucketed_ddp"}
+FUNCTIONS = {"naive_ddp": ("broadcast_parameters", "naive_average"),
+             "flat_ddp": ("flat_average",),
+             "overlapped_ddp": ("attach_overlap_hooks", "finish_overlap"),
+             "bucketed_ddp": ("make_buckets", "attach_bucket_hooks", "finish_buckets")}
+
+
+def _functions(exercise: str, namespace: dict | None) -> tuple[dict, str]:
+    """The learner's functions for `exercise` if all are written, else the kit's solution."""
+    names = FUNCTIONS[exercise]
+    try:
+        found = require(namespace or {}, *names)
+        return dict(zip(names, found if len(names) > 1 else [found])), "yours"
+    except NotAttempted:  # not written yet (or still the template): the kit's answer
+        pass
+    solution = solution_module(exercise)
+    return {n: getattr(solution, n) for n in names}, "the kit's solution"
+
+
+def make_version(name: str, namespace: dict | None = None, bucket_mb: float = 0.5,
+                 broadcast: bool = True) -> Version:
+    """Version `name` ("naive", "flat", "overlapped", "bucketed" or "ddp") built from the
+    learner's functions in `namespace` where they are written, else from the kit's solutions.
+    broadcast=False skips the initial broadcast (for replicas that start equal)."""
+    if name == "none":  # no communication at all: the compute-only baseline for timing
+        return Version("none", lambda m: (m, None), lambda state: None, "no synchronisation")
+    if name == "ddp":
+        return Version("ddp", lambda m: (DDP(m, device_ids=device_ids(_device_of(m)),
+                                             bucket_cap_mb=bucket_mb), None),
+                       lambda state: None, "torch's DistributedDataParallel")
+    fns, source = _functions(EXERCISES[name], namespace)
+    start, _ = _functions("naive_ddp", namespace) if broadcast else ({}, "")
+    return _build(name, fns, start.get("broadcast_parameters"), bucket_mb, source)
+
+
+def _build(name: str, fns: dict, broadcast, bucket_mb: float, source: str) -> Version:
+    def setup(model: nn.Module):
+        if broadcast is not None:
+            broadcast(model)
+        if name == "overlapped":
+            return model, fns["attach_overlap_hooks"](model)
+        if name == "bucketed":
+            buckets = fns["make_buckets"](model, bucket_mb)
+            return model, fns["attach_bucket_hooks"](model, buckets)
+        return model, model
+
+    sync = {"naive": fns.get("naive_average"), "flat": fns.get("flat_average"),
+            "overlapped": fns.get("finish_overlap"), "bucketed": fns.get("finish_buckets")}
+    return Version(name, setup, sync[name], source)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+# ---------------------------------------------------------------- training and counting
+
+
+def count_collectives(work: Callable[[], object]) -> dict[str, int]:
+    """Run work() under torch's CommDebugMode; return {collective: calls}, e.g.
+    {"all_reduce": 6}. CommDebugMode sees torch.distributed's ops and DDP's C++ reducer alike."""
+    mode_class = compat.comm_debug_mode()
+    if mode_class is None:  # present on every torch the kit supports; said plainly if not
+        raise RuntimeError("this torch has no CommDebugMode, so collectives cannot be counted")
+    mode = mode_class()
+    with mode:
+        work()
+    counts: Counter = Counter()
+    for op, n in mode.get_comm_counts().items():
+        counts[_op_name(op)] += n
+    return dict(sorted(counts.items()))
+
+
+def _op_name(op) -> str:
+    """'c10d.allreduce_' or '_c10d_functional.all_reduce' -> 'all_reduce'; 'broadcast' etc."""
+    name = str(op).split(".")[-1].strip("_").replace("_base", "")
+    return {"allreduce": "all_reduce", "allgather": "all_gather",
+            "allgather_into_tensor": "all_gather"}.get(name, name)
+
+
+def train(version: Version, rank: int, world_size: int, device: torch.device,
+          steps: int = STEPS, same_start: bool = False, model_kw: dict | None = None) -> dict:
+    """Train a TiedNet for `steps` SGD steps with `version` keeping the replicas in sync.
+    Each rank starts from its own weights (seed = rank) unless same_start. Returns the
+    parameters after setup and after training, the losses, and the collectives of each step."""
+    kw = model_kw or SMALL
+    model = tied_model(seed=0 if same_start else rank, **kw).to(device)
+    module, state = version.setup(model)
+    after_setup = flat_params(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)  # frozen: no gradient, left alone
+    losses, collectives = [], []
+    for step in range(steps):
+        x, y = rank_batch(step, rank, world_size, device, vocab=kw["vocab"])
+        opt.zero_grad()
+
+        def one_step(x=x, y=y):
+            loss = loss_fn(module(x), y)
+            loss.backward()
+            version.sync(state)
+            losses.append(loss.item())
+
+        collectives.append(count_collectives(one_step))
+        opt.step()
+    return {"version": version.name, "source": version.source, "after_setup": after_setup,
+            "params": flat_params(model), "losses": losses, "collectives": collectives}
+
+
+def single_process(steps: int = STEPS, model_kw: dict | None = None) -> torch.Tensor:
+    """The reference: one process, rank 0's initial weights, the whole batch each step."""
+    kw = model_kw or SMALL
+    model = tied_model(seed=0, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = global_batch(step, vocab=kw["vocab"])
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return flat_params(model)
+
+
+def run_version(name: str, namespace: dict | None, rank: int, world_size: int,
+                device: torch.device, steps: int = STEPS, bucket_mb: float = 0.002) -> dict:
+    """Train version `name` (yours where written, else the kit's) and torch's DDP side by side
+    from per-rank starts, and compare both with one process; a record for the parent."""
+    mine = train(make_version(name, namespace, bucket_mb), rank, world_size, device, steps)
+    ddp = train(make_version("ddp", bucket_mb=bucket_mb), rank, world_size, device, steps)
+    single = single_process(steps)
+    return {**mine, "equals_ddp": case("ddp", mine["params"], ddp["params"], RTOL, ATOL).ok,
+            "equals_single": case("one", mine["params"], single, RTOL, ATOL).ok,
+            "ddp_collectives": ddp["collectives"]}
+
+
+def describe(records: list[dict]) -> str:
+    """The deterministic lines the notebook prints for one version's per-rank records."""
+    first = records[0]
+    per_step = "; ".join(_counts(c) for c in first["collectives"])
+    yes = {True: "yes", False: "NO"}
+    agree = all(torch.equal(r["params"], first["params"]) for r in records)
+    return (f"{first['version']} ({first['source']}), {len(first['losses'])} SGD steps:\n"
+            f"  parameters equal torch's DDP (rtol={RTOL:g}, atol={ATOL:g}), on every rank: "
+            f"{yes[all(r['equals_ddp'] for r in records)]}\n"
+            f"  parameters equal one process on the whole batch, on every rank: "
+            f"{yes[all(r['equals_single'] for r in records)]}\n"
+            f"  the ranks' parameters are equal bit for bit: {yes[agree]}\n"
+            f"  collectives in each step (rank 0): {per_step}")
+
+
+def _counts(collectives: dict[str, int]) -> str:
+    return ", ".join(f"{op} x{n}" for op, n in collectives.items()) or "none"
+
+
+# ---------------------------------------------------------------- timing
+
+
+def stepper(version: Version, rank: int, world_size: int,
+            device: torch.device) -> Callable[[], None]:
+    """One training step (forward, backward, sync, SGD step) of the large TiedNet with
+    `version`, as a function to call; the replicas start equal."""
+    model = tied_model(0, **LARGE).to(device)
+    module, state = version.setup(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = rank_batch(0, rank, world_size, device, LARGE_BATCH, LARGE["vocab"])
+
+    def one_step() -> None:
+        opt.zero_grad()
+        loss_fn(module(x), y).backward()
+        version.sync(state)
+        opt.step()
+
+    return one_step
+
+
+def median_seconds(steps: dict[str, Callable[[], None]], device: torch.device,
+                   rounds: int = 12, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each step function, timed in turns (one call of each per round), so
+    that a burst of load from elsewhere on the machine hits them all alike. The warm-up rounds
+    also let DDP rebuild its buckets (after its first step)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(warmup + rounds):
+        for name, step in steps.items():
+            with Timer(device) as t:
+                step()
+            if i >= warmup:
+                times[name].append(t.seconds)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def time_versions(namespace: dict | None, rank: int, world_size: int, device: torch.device,
+                  bucket_mb: float = 0.5, rounds: int = 12) -> dict[str, dict]:
+    """Every version on the large TiedNet, on this rank: {name: {"seconds": median step
+    seconds, "collectives": one more step's collectives, counted}}."""
+    steps = {name: stepper(make_version(name, namespace, bucket_mb, broadcast=False), rank,
+                           world_size, device) for name in TIMED}
+    seconds = median_seconds(steps, device, rounds)
+    return {name: {"seconds": seconds[name], "collectives": count_collectives(step)}
+            for name, step in steps.items()}
+
+
+def median_of(times: list[dict], name: str) -> float:
+    """The median over ranks of version `name`'s step time."""
+    return statistics.median(per_rank[name]["seconds"] for per_rank in times)
+
+
+def describe_times(times: list[dict]) -> str:
+    """Step time of each version on each rank, in ms (not reproducible: a measurement)."""
+    lines = ["version      " + "".join(f"rank {r:<6}" for r in range(len(times)))]
+    for name in times[0]:
+        lines.append(f"{name:<13}" + "".join(f"{t[name]['seconds'] * 1000:<11.1f}"
+                                            for t in times))
+    return "\n".join(lines)
+
+
+def describe_collectives(times: list[dict], bucket_mb: float) -> str:
+    """What is deterministic about the timed runs: the collectives of one step, per version."""
+    same = all(t[n]["collectives"] == times[0][n]["collectives"] for t in times for n in t)
+    lines = [f"collectives in one step of the large TiedNet (buckets of {bucket_mb:g} MiB), "
+             f"the same on every rank: {'yes' if same else 'NO'}"]
+    lines += [f"  {name:<11} {_counts(times[0][name]['collectives'])}" for name in times[0]]
+    return "\n".join(lines)
+
+
+def bucket_sweep(namespace: dict | None, rank: int, world_size: int, device: torch.device,
+                 caps_mb: tuple[float, ...] = SWEEP_CAPS_MB, rounds: int = 12) -> list[dict]:
+    """For each bucket cap: the bytes of each bucket the bucketed version makes (the last one
+    is sent last), its median step time on this rank and one step's collectives."""
+    make = _functions("bucketed_ddp", namespace)[0]["make_buckets"]
+    steps = {cap: stepper(make_version("bucketed", namespace, cap, broadcast=False), rank,
+                          world_size, device) for cap in caps_mb}
+    seconds = median_seconds(steps, device, rounds)
+    return [{"cap_mb": cap, "seconds": seconds[cap], "all_reduces": count_collectives(step),
+             "bucket_bytes": [gradient_bytes(b) for b in make(tied_model(0, **LARGE), cap)]}
+            for cap, step in steps.items()]
+
+
+def allreduce_seconds(device: torch.device, sizes: list[int], rounds: int = 15) -> list[float]:
+    """Median seconds of one all_reduce of each size in bytes (float32) on this rank, the
+    sizes timed in turns (a burst of outside load then hits every size alike)."""
+    tensors = {n: torch.ones(max(1, n // 4), device=device) for n in sizes}
+    steps = {n: (lambda t=t: dist.all_reduce(t)) for n, t in tensors.items()}
+    seconds = median_seconds(steps, device, rounds, warmup=2)
+    return [seconds[n] for n in sizes]
+
+
+# ---------------------------------------------------------------- the exercises' checks
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _trained_cases(version: Version, namespace: dict, same_start: bool,
+                   all_reduces: int) -> list[Case]:
+    """Train `version` and torch's DDP from the same starts; compare both with one process on
+    the whole batch, and count the collectives of each step."""
+    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    mine = train(version, rank, world_size, device, STEPS, same_start)
+    ddp = train(make_version("ddp"), rank, world_size, device, STEPS)
+    cases = []
+    if not same_start:
+        cases.append(case("parameters after broadcast_parameters, against rank 0's",
+                          mine["after_setup"], flat_params(tied_model(0, **SMALL)), 0, 0))
+    cases += [
+        case(f"parameters after {STEPS} steps, against torch's DDP", mine["params"],
+             ddp["params"], RTOL, ATOL),
+        case(f"parameters after {STEPS} steps, against one process on the whole batch",
+             mine["params"], single_process(STEPS), RTOL, ATOL),
+        case("collectives in each step", mine["collectives"],
+             [{"all_reduce": all_reduces}] * STEPS),
+    ]
+    return cases
+
+
+def _with_gradient() -> int:
+    return sum(p.requires_grad for p in tied_model(0, **SMALL).parameters())
+
+
+@exercise_check("naive_ddp", "ranks")
+def check_naive_ddp(namespace: dict) -> list[Case]:
+    """broadcast_parameters + naive_average: equal to DDP, one all-reduce per gradient."""
+    fns = dict(zip(FUNCTIONS["naive_ddp"], require(namespace, *FUNCTIONS["naive_ddp"])))
+    version = _build("naive", fns, fns["broadcast_parameters"], 0, "yours")
+    return _trained_cases(version, namespace, same_start=False, all_reduces=_with_gradient())
+
+
+@exercise_check("flat_ddp", "ranks")
+def check_flat_ddp(namespace: dict) -> list[Case]:
+    """flat_average: equal to DDP with a single all-reduce per step."""
+    fns = {"flat_average": require(namespace, "flat_average")}
+    version = _build("flat", fns, None, 0, "yours")
+    return _trained_cases(version, namespace, same_start=True, all_reduces=1)
+
+
+@exercise_check("overlapped_ddp", "ranks")
+def check_overlapped_ddp(namespace: dict) -> list[Case]:
+    """attach_overlap_hooks + finish_overlap: equal to DDP, one all-reduce per gradient."""
+    fns = dict(zip(FUNCTIONS["overlapped_ddp"],
+                   require(namespace, *FUNCTIONS["overlapped_ddp"])))
+    version = _build("overlapped", fns, None, 0, "yours")
+    return _trained_cases(version, namespace, same_start=True, all_reduces=_with_gradient())
+
+
+CHECK_CAPS_MB = (0.002, 1e-6, 1.0)  # two buckets, one per gradient, all in one
+
+
+@exercise_check("bucketed_ddp", "ranks")
+def check_bucketed_ddp(namespace: dict) -> list[Case]:
+    """make_buckets against DDP's rule for three caps, then training and the all-reduce count."""
+    fns = dict(zip(FUNCTIONS["bucketed_ddp"], require(namespace, *FUNCTIONS["bucketed_ddp"])))
+    kit = solution_module("bucketed_ddp").make_buckets
+    model = tied_model(0, **SMALL)
+    names = _names(model)
+    cases = []
+    for cap in CHECK_CAPS_MB:
+        got = fns["make_buckets"](model, cap)
+        got = None if got is None else [[names.get(id(p), "?") for p in b] for b in got]
+        want = [[names[id(p)] for p in b] for b in kit(model, cap)]
+        cases.append(case(f"make_buckets(model, {cap:g}), parameter names", got, want))
+    expected = len(kit(model, CHECK_CAPS_MB[0]))
+    version = _build("bucketed", fns, None, CHECK_CAPS_MB[0], "yours")
+    return cases + _trained_cases(version, namespace, same_start=True, all_reduces=expected)
+
+
+# ---------------------------------------------------------------- the cost model
+
+
+def fit_alpha_beta(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Fit t = alpha + n / B to all-reduce times of n bytes; return (alpha s, B bytes/s).
+    Least squares on relative errors, so 4-byte and 4-MiB messages count alike."""
+    t = torch.tensor(seconds, dtype=torch.float64)
+    a = torch.stack([1 / t, torch.tensor(sizes, dtype=torch.float64) / t], dim=1)
+    alpha, inverse_b = torch.linalg.lstsq(a, torch.ones_like(t).unsqueeze(1)).solution.flatten()
+    return float(alpha), float(1 / inverse_b)
+
+
+def predicted_seconds(compute_s: float, alpha: float, bandwidth: float,
+                      bucket_bytes: list[int], overlap: bool = True) -> float:
+    """The model's step time: compute, plus alpha for each bucket (one call after another),
+    plus transfers. overlap=True: only the last bucket's transfer shows, the others hide behind
+    backward (a GPU, where NCCL has its own engines); False: every byte shows (CPU ranks whose
+    communication threads share the cores with backward)."""
+    shown = bucket_bytes[-1] if overlap else sum(bucket_bytes)
+    return compute_s + alpha * len(bucket_bytes) + shown / bandwidth
+
+
+def best_bucket_bytes(alpha: float, bandwidth: float, total_bytes: float) -> float:
+    """The bucket size b that minimises alpha * S/b + b/B (S/b buckets, the last b exposed):
+    b* = sqrt(alpha * B * S)."""
+    return (alpha * bandwidth * total_bytes) ** 0.5
+
+
+def gradient_order(device: torch.device) -> list[str]:
+    """The order in which the small TiedNet's gradients become ready in one backward."""
+    model = tied_model(0, **SMALL).to(device)
+    names, order = {id(p): n for n, p in model.named_parameters()}, []
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: order.append(names[id(p)]))
+    x, y = rank_batch(0, 0, 1, device)
+    loss_fn(model(x), y).backward()
+    return order
+
+
+def compare_with_model(sweeps: list[list[dict]], compute_s: float, alpha: float,
+                       bandwidth: float) -> str:
+    """Measured step time per cap and rank beside both models', and the minima."""
+    lines = ["cap MiB  buckets  " + "".join(f"rank {r} ms  " for r in range(len(sweeps)))
+             + "overlap  no overlap (model ms)"]
+    for i, row in enumerate(sweeps[0]):
+        models = [predicted_seconds(compute_s, alpha, bandwidth, row["bucket_bytes"], o) * 1000
+                  for o in (True, False)]
+        measured = "".join(f"{s[i]['seconds'] * 1000:<11.1f}" for s in sweeps)
+        lines.append(f"{row['cap_mb']:<9g}{len(row['bucket_bytes']):<9}{measured}"
+                     f"{models[0]:<9.1f}{models[1]:.1f}")
+    mean = [statistics.mean(s[i]["seconds"] for s in sweeps) for i in range(len(sweeps[0]))]
+    fastest = sweeps[0][mean.index(min(mean))]["cap_mb"]
+    best = best_bucket_bytes(alpha, bandwidth, sum(sweeps[0][0]["bucket_bytes"])) / 2**20
+    above = sum(min(s[i]["seconds"] for s in sweeps) > predicted_seconds(
+        compute_s, alpha, bandwidth, row["bucket_bytes"], False) for i, row in enumerate(sweeps[0]))
+    lines.append(f"measured minimum (mean of the ranks): cap {fastest:g} MiB; overlap model: "
+                 f"b* = sqrt(alpha B S) = {best:.2g} MiB; no-overlap model: one bucket")
+    lines.append(f"measured above the no-overlap model at {above} of {len(sweeps[0])} caps")
+    return "\n".join(lines)
+
+
+def describe_sweep(sweeps: list[list[dict]]) -> str:
+    """What is deterministic about the sweep: the buckets per cap and their all-reduces."""
+    lines = []
+    for row in sweeps[0]:
+        sizes = row["bucket_bytes"]
+        lines.append(f"cap {row['cap_mb']:g} MiB: {len(sizes)} buckets, the last "
+                     f"{sizes[-1] / 2**20:.2f} MiB; all-reduces counted in one step: "
+                     f"{row['all_reduces'].get('all_reduce', 0)}")
+    timed = all(len(s) == len(sweeps[0]) for s in sweeps)
+    lines.append(f"every rank timed every cap: {'yes' if timed else 'NO'}")
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""Lesson 09: the four hand-written DDPs against torch's, and the checks that grade them, on two
+real gloo ranks. Every exercise: the kit's solution PASSES, the template is NOT ATTEMPTED, and
+at least two wrong versions (each a small edit of the solution) FAIL."""
+
+import pytest
+import torch
+
+import ddp_helpers as dh
+from ddp_helpers import exercises
+from ddp_helpers.lessons import ddp_from_scratch as lesson
+
+EXERCISES = ("naive_ddp", "flat_ddp", "overlapped_ddp", "bucketed_ddp")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with dh.Ranks(2, timeout=60, output="none") as p:
+        p.run("from ddp_helpers.lessons import ddp_from_scratch as lesson")
+        yield p
+
+
+def verdict(pool, name: str, source: str) -> str:
+    """Define `source` on the ranks (as a learner's %%ranks cell would), then check `name`."""
+    pool.run(source)
+    return exercises.evaluate(name, pool=pool).line
+
+
+def edit(name: str, old: str, new: str) -> str:
+    """The kit's solution with one edit: a wrong version a learner could write."""
+    source = exercises.solution_source(name)
+    assert old in source, f"{old!r} is not in the solution of {name}"
+    return source.replace(old, new)
+
+
+def template(name: str) -> str:
+    """What the notebook commits: each function of the exercise with `...` as its body."""
+    return "\n".join(f"def {fn}(*args):\n    ...\n" for fn in lesson.FUNCTIONS[name])
+
+
+def returns_none(name: str) -> str:
+    """Every function of the exercise replaced by one that does nothing and returns None."""
+    return "\n".join(f"def {fn}(*args):\n    return None\n" for fn in lesson.FUNCTIONS[name])
+
+
+WRONG = {
+    "naive_ddp": {
+        "forgets to divide": ("p.grad /= dist.get_world_size()", "pass"),
+        "broadcasts only the parameters that train (not the frozen one)": (
+            "for p in model.parameters():  # each tensor once: a tied weight is one parameter",
+            "for p in [q for q in model.parameters() if q.requires_grad]:"),
+        "walks the modules, so the tied weight twice": (
+            "    for p in model.parameters():\n        if p.grad is None",
+            "    for p in [q for m in model.modules() for q in m.parameters(recurse=False)]:\n"
+            "        if p.grad is None"),
+        "all-reduces the frozen parameter's missing gradient": (
+            "if p.grad is None:", "if False:"),
+    },
+    "flat_ddp": {
+        "forgets to divide": ("flat /= dist.get_world_size()", "pass"),
+        "never copies the mean back": ("g.copy_(", "g.clone().copy_("),
+        "takes the frozen parameter's missing gradient": (
+            "if p.grad is not None]", "]"),
+    },
+    "overlapped_ddp": {
+        "forgets to divide": ("p.grad /= dist.get_world_size()", "pass"),
+        "hooks the frozen parameter too": ("if p.requires_grad:", "if True:"),
+        "never empties the list, so step 2 divides again": ("pending.clear()", "pass"),
+    },
+    "bucketed_ddp": {
+        "forgets to divide": ("flat /= dist.get_world_size()", "pass"),
+        "puts the frozen parameter in a bucket": (
+            "[p for p in model.parameters() if p.requires_grad]",
+            "list(model.parameters())"),
+        "walks the modules, so the tied weight twice": (
+            "[p for p in model.parameters() if p.requires_grad]",
+            "[p for m in model.modules() for p in m.parameters(recurse=False)"
+            " if p.requires_grad]"),
+        "closes a bucket before it reaches the cap": (
+            "if size >= bucket_mb * 2**20:", "if size > bucket_mb * 2**20 / 2:"),
+    },
+}
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_the_kits_solution_passes(pool, name):
+    assert verdict(pool, name, exercises.solution_source(name)).startswith(f"PASS {name}")
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_the_template_is_not_attempted(pool, name):
+    assert verdict(pool, name, template(name)).startswith(f"NOT ATTEMPTED {name}")
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_functions_returning_none_fail(pool, name):
+    assert verdict(pool, name, returns_none(name)).startswith(f"FAIL {name}")
+
+
+@pytest.mark.parametrize("name, what", [(n, w) for n in EXERCISES for w in WRONG[n]])
+def test_a_wrong_version_fails(pool, name, what):
+    line = verdict(pool, name, edit(name, *WRONG[name][what]))
+    assert line.startswith(f"FAIL {name}"), line
+
+
+def test_a_forgotten_division_is_named_with_the_first_wrong_value(pool):
+    line = verdict(pool, "naive_ddp", edit("naive_ddp", *WRONG["naive_ddp"]["forgets to divide"]))
+    assert "against torch's DDP: at index" in line and "expected" in line
+
+
+def test_the_double_counted_tied_weight_shows_in_the_count(pool):
+    wrong = WRONG["naive_ddp"]["walks the modules, so the tied weight twice"]
+    line = verdict(pool, "naive_ddp", edit("naive_ddp", *wrong))
+    # Averaging a mean again changes nothing, so only the count catches it: 7 instead of 6.
+    assert "collectives in each step: got [{'all_reduce': 7}" in line
+
+
+# ---------------------------------------------------------------- the numbers the notebook shows
+
+
+def test_the_model_has_a_tied_and_a_frozen_parameter():
+    model = lesson.tied_model(0, **lesson.SMALL)
+    params = list(model.parameters())
+    walked = [p for m in model.modules() for p in m.parameters(recurse=False)]
+    assert (len(params), sum(p.requires_grad for p in params), len(walked)) == (7, 6, 8)
+    assert model.head.weight is model.embed.weight
+
+
+@pytest.mark.parametrize("name, counts", [
+    ("naive", [{"all_reduce": 6}] * 3), ("flat", [{"all_reduce": 1}] * 3),
+    ("overlapped", [{"all_reduce": 6}] * 3), ("bucketed", [{"all_reduce": 2}] * 3)])
+def test_each_version_equals_ddp_and_one_process_with_its_count(pool, name, counts):
+    records = pool.run(f"lesson.run_version({name!r}, None, rank, world_size, device)")
+    for rec in records:
+        assert rec["source"] == "the kit's solution"
+        assert rec["equals_ddp"] and rec["equals_single"]
+        assert rec["collectives"] == counts
+    assert torch.equal(records[0]["params"], records[1]["params"])
+    # DDP puts every gradient in one bucket for the first step, then rebuilds its buckets in
+    # the order gradients arrived (two broadcasts agree on them) and uses them from then on.
+    assert records[0]["ddp_collectives"] == [
+        {"all_reduce": 1}, {"all_reduce": 2, "broadcast": 2}, {"all_reduce": 2}]
+
+
+def test_gradients_arrive_last_layer_first_and_the_tied_weight_once(pool):
+    order = pool.run("lesson.gradient_order(device)", targets=[0])[0]
+    assert order == ["body.1.0.bias", "body.1.0.weight", "body.0.0.bias", "body.0.0.weight",
+                     "frozen.bias", "embed.weight"]
+
+
+def test_bucket_counts_of_the_sweep():
+    model = lesson.tied_model(0, **lesson.LARGE)
+    make = exercises.solution_module("bucketed_ddp").make_buckets
+    assert [len(make(model, cap)) for cap in lesson.SWEEP_CAPS_MB] == lesson.SWEEP_BUCKETS
+    assert lesson.gradient_bytes(model.parameters()) == 2_628_608
+
+
+def test_timed_versions_issue_the_collectives_the_notebook_prints(pool):
+    times = pool.run("lesson.time_versions(None, rank, world_size, device, rounds=1)")
+    for per_rank in times:
+        assert list(per_rank) == ["none", "naive", "flat", "overlapped", "bucketed", "ddp"]
+        assert all(t["seconds"] > 0 for t in per_rank.values())
+        assert {n: t["collectives"] for n, t in per_rank.items()} == {
+            "none": {}, "naive": {"all_reduce": 14}, "flat": {"all_reduce": 1},
+            "overlapped": {"all_reduce": 14}, "bucketed": {"all_reduce": 4},
+            "ddp": {"all_reduce": 4}}
+
+
+def test_alpha_beta_fit_recovers_a_known_line():
+    sizes = [4**k for k in range(1, 10)]
+    seconds = [2e-4 + n / 1e9 for n in sizes]
+    alpha, bandwidth = lesson.fit_alpha_beta(sizes, seconds)
+    assert alpha == pytest.approx(2e-4, rel=1e-3) and bandwidth == pytest.approx(1e9, rel=1e-3)
+    assert lesson.best_bucket_bytes(2e-4, 1e9, 4e6) == pytest.approx((2e-4 * 1e9 * 4e6) ** 0.5)

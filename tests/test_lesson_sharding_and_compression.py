@@ -1,0 +1,185 @@
+"""Lesson 10: memory per rank, equivalence, collective counts and compression on two real gloo
+ranks, with the numbers the notebook prints; the ZeRO-1 check passes the kit's solution, is
+NOT ATTEMPTED for the template and FAILS wrong versions; the predictions are graded."""
+
+import pytest
+import torch
+
+import ddp_helpers as dh
+from ddp_helpers import exercises
+from ddp_helpers.lessons import sharding_and_compression as lesson
+
+PSI = 55_050
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with dh.Ranks(2, timeout=120, output="none") as p:
+        p.run("from ddp_helpers.lessons import sharding_and_compression as lesson")
+        yield p
+
+
+@pytest.fixture(scope="module")
+def fsdp2_here(pool):
+    """True where FSDP2 runs on a CPU mesh with this torch (the FSDP2 asserts need it)."""
+    status = pool.run("lesson.fsdp2_status(device)")
+    assert status[0] == status[1]
+    return status[0] == "runs"
+
+
+@pytest.fixture(scope="module")
+def runs(pool, fsdp2_here):
+    kinds = [k for k in lesson.KINDS if k != "fsdp2" or fsdp2_here]
+    return pool.run(f"[lesson.train(k, rank, world_size, device) for k in {kinds!r}]")
+
+
+def by_kind(per_rank: list[dict]) -> dict:
+    return {r["kind"]: r for r in per_rank}
+
+
+def test_the_model_has_the_parameters_the_notebook_states():
+    assert lesson.param_count(lesson.mlp()) == PSI
+    assert lesson.formulas(PSI, 2)["fsdp2"] == {"parameters": 2 * PSI, "gradients": 2 * PSI,
+                                                "optimizer": 4 * PSI}
+
+
+def test_memory_per_rank(runs, fsdp2_here):
+    for rank, per_rank in enumerate(runs):
+        mem = {k: r["memory"] for k, r in by_kind(per_rank).items()}
+        assert mem["ddp"] == {"parameters": 4 * PSI, "gradients": 4 * PSI,
+                              "optimizer": 8 * PSI, "copies": 0}
+        # whole tensors, largest first, to the emptier rank: 256 KiB and 174 KiB of Adam state
+        assert mem["zero1 (torch)"]["optimizer"] == [262_144, 178_256][rank]
+        assert mem["zero1 (yours)"] == {"parameters": 4 * PSI, "gradients": 4 * PSI,
+                                        "optimizer": 4 * PSI, "copies": 4 * PSI}
+        if fsdp2_here:
+            assert mem["fsdp2"] == {"parameters": 2 * PSI, "gradients": 2 * PSI,
+                                    "optimizer": 4 * PSI, "copies": 0}
+
+
+def test_every_way_trains_like_ddp(runs):
+    text = lesson.describe_equivalence(runs)
+    assert "NO" not in text and text.count("yes") == len(runs[0]) - 1
+    assert all(d <= lesson.ATOL for d in lesson.largest_difference(runs).values())
+    assert runs[0][0]["losses"] != runs[1][0]["losses"]  # each rank its own batch
+
+
+def test_collectives_of_a_step(runs, fsdp2_here):
+    counts = {k: r["collectives"] for k, r in by_kind(runs[0]).items()}
+    assert counts["ddp"] == {"all_reduce": 1}
+    assert counts["zero1 (torch)"] == {"all_reduce": 1, "broadcast": 10}  # one per tensor
+    assert counts["zero1 (yours)"] in ({"all_gather": 1, "reduce_scatter": 1},
+                                       {"all_gather": 1, "all_reduce": 1})  # older gloo
+    if fsdp2_here:
+        assert counts["fsdp2"] == lesson.fsdp2_expected() == {"all_gather": 7,
+                                                              "reduce_scatter": 4}
+
+
+def test_fsdp2_collectives_per_module(pool, fsdp2_here):
+    if not fsdp2_here:
+        pytest.skip("FSDP2 does not run on a CPU mesh with this torch")
+    rows = pool.run("lesson.fsdp2_per_module(rank, world_size, device)")
+    assert rows[0] == rows[1] == [("root (first and last layers)", 4, 3, 4),
+                                  ("block model[2]", 1, 0, 1), ("block model[3]", 1, 1, 1),
+                                  ("block model[4]", 1, 1, 1)]
+
+
+def test_ddp_buckets_per_cap_match_the_rule(pool):
+    records = pool.run("lesson.ddp_all_reduces(rank, world_size, device)")
+    assert records[0] == records[1]
+    steady = [row["per_step"][-1] for row in records[0]]
+    assert steady == [{"all_reduce": n} for n in lesson.buckets_expected()]
+    assert lesson.buckets_expected() == [4, 2, 1]
+    assert all(row["per_step"][0] == {"all_reduce": 1} for row in records[0])
+
+
+@pytest.fixture(scope="module")
+def hooked(pool):
+    return pool.run("[lesson.compressed_training(h, rank, world_size, device) "
+                    "for h in lesson.HOOKS]")
+
+
+def test_bytes_each_hook_sends(hooked):
+    for per_rank in hooked:
+        sent = {r["hook"]: r["bytes"] for r in per_rank}
+        # 60 steps of 220,200 bytes; fp16 half; PowerSGD: 2 plain steps, then P, Q and biases
+        assert sent == {"none": 13_212_000, "fp16": 6_606_000, "powersgd rank 1": 808_816,
+                        "powersgd rank 4": 1_550_752}
+        calls = {r["hook"]: (r["calls"][0], r["calls"][-1]) for r in per_rank}
+        assert calls == {"none": (1, 1), "fp16": (1, 1), "powersgd rank 1": (1, 3),
+                         "powersgd rank 4": (1, 3)}
+    assert torch.equal(hooked[0][2]["params"], hooked[1][2]["params"])
+
+
+def test_every_hook_learns_and_powersgd_rank_1_pays_for_its_bytes(hooked):
+    accuracy = {r["hook"]: r["accuracy"] for r in hooked[0]}
+    assert all(r["losses"][-1] < r["losses"][0] for r in hooked[0])
+    assert min(accuracy.values()) > 0.3  # 10 classes: chance is 0.1
+    assert accuracy == {r["hook"]: r["accuracy"] for r in hooked[1]}  # one model on all ranks
+    # what the notebook prints: fp16 within 3 points of fp32, PowerSGD rank 1 far below
+    text = lesson.accuracy_within(hooked, points=0.03)
+    assert "fp16             within 3 points of uncompressed: yes" in text
+    assert "powersgd rank 1  within 3 points of uncompressed: no" in text
+
+
+def test_the_bf16_hook_runs_where_gloo_sums_bfloat16(pool):
+    status = pool.run("lesson.hook_status('bf16', device)")[0]
+    sums = pool.run("t = torch.ones(2, dtype=torch.bfloat16)\n"
+                    "try:\n    dist.all_reduce(t)\n    ok = True\n"
+                    "except RuntimeError:\n    ok = False\nok")[0]
+    assert (status == "ran") == sums, status
+
+
+# ---------------------------------------------------------------- the exercises
+
+
+def verdict(pool, name: str, source: str) -> str:
+    pool.run(source)
+    return exercises.evaluate(name, pool=pool).line
+
+
+def edit(old: str, new: str) -> str:
+    source = exercises.solution_source("zero1")
+    assert old in source, old
+    return source.replace(old, new)
+
+
+ZERO1_WRONG = {
+    "forgets to divide": ("shard.grad = mine / world", "shard.grad = mine"),
+    "never gathers the other slices": ("dist.all_gather(gathered, shard.detach())",
+                                       "gathered = [shard.detach()] * world"),
+    "keeps every parameter in its shard": ("return flat[rank * size:(rank + 1) * size]",
+                                           "return flat"),
+    "takes the other rank's slice": (
+        "return flat[rank * size:(rank + 1) * size]",
+        "return flat[(world - 1 - rank) * size:(world - rank) * size]"),
+}
+
+
+def test_zero1_solution_passes(pool):
+    assert verdict(pool, "zero1", exercises.solution_source("zero1")).startswith("PASS zero1")
+
+
+def test_zero1_template_is_not_attempted(pool):
+    source = "def make_shard(model):\n    ...\n\ndef zero1_step(model, shard, opt):\n    ...\n"
+    assert verdict(pool, "zero1", source).startswith("NOT ATTEMPTED zero1")
+
+
+def test_zero1_returning_none_fails(pool):
+    source = "def make_shard(*a):\n    return None\n\ndef zero1_step(*a):\n    return None\n"
+    assert verdict(pool, "zero1", source).startswith("FAIL zero1")
+
+
+@pytest.mark.parametrize("what", ZERO1_WRONG)
+def test_zero1_wrong_versions_fail(pool, what):
+    line = verdict(pool, "zero1", edit(*ZERO1_WRONG[what]))
+    assert line.startswith("FAIL zero1"), line
+
+
+@pytest.mark.parametrize("name, right", [
+    ("ddp_buckets", [4, 2, 1]), ("fsdp2_collectives", {"all_gather": 7, "reduce_scatter": 4})])
+def test_predictions_are_graded(name, right):
+    assert exercises.evaluate(name, right).outcome == "PASS"
+    assert exercises.evaluate(name, exercises.find(name).wrong_answer).outcome == "FAIL"
+    assert exercises.evaluate(name, None).outcome == "NOT ATTEMPTED"
+    assert exercises.evaluate(name, "seven").outcome == "FAIL"
