@@ -166,7 +166,8 @@ def test_results_of_finished_ranks_survive_a_failure(tmp_path, no_leftovers):
 
 
 def test_unpicklable_return_value_is_reported(no_leftovers):
-    with pytest.raises(dh.RankRaised, match="rank 0 of 2 raised"):
+    # Both ranks return a lambda; which one is reported first depends on timing.
+    with pytest.raises(dh.RankRaised, match="rank [01] of 2 raised"):
         dh.launch(rank_fns.returns_unpicklable, nprocs=2, timeout=60)
 
 

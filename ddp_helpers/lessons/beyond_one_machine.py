@@ -267,6 +267,9 @@ def torchrun_agents(commands: list[str], envs: list[dict] | None = None, timeout
 
 def readable(text: str, log_dir: str | os.PathLike | None = None) -> str:
     """torchrun's output without this machine's paths (for a notebook's committed output)."""
+    # Library files by their package path alone (torch/...), wherever the venv is: first, since
+    # the venv itself may sit under the temporary folder replaced below.
+    text = re.sub(r"(?<![\w.])/[^\s\"']*?(?:site|dist)-packages/", "", text)
     swaps = [(sys.executable, "python"), (os.path.realpath(sys.executable), "python")]
     if log_dir is not None:
         swaps += [(os.path.realpath(log_dir), "<logs>"), (str(log_dir), "<logs>")]
@@ -274,7 +277,7 @@ def readable(text: str, log_dir: str | os.PathLike | None = None) -> str:
     for old, new in swaps:
         text = text.replace(old, new)
     # Per line: no C++ source locations, no caret lines (they change with the torch and Python
-    # versions), library files by their package path alone (torch/...), wherever the venv is.
+    # versions), relative library paths (torchrun logs .venv/lib/.../site-packages/torch/...).
     lines = [re.sub(r"\S*(?:site|dist)-packages/", "", clean_error_text(line))
              for line in text.splitlines()
              if not re.fullmatch(r"(\[rank\d+\]:)?\s*[\^~]+[\s^~]*", line)]
