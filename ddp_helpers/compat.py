@@ -30,7 +30,10 @@ measured 2026-12-01; "yes" = ran and matched DDP or the expected numbers; 2.9 = 
     no3: a rank hangs in ~ProcessGroupGloo when its group dies after Python future callbacks: it
     joins a gloo thread that waits for the GIL the joining thread holds (a DDP Python comm hook:
     3 runs in 10 on 2.4.1, 7 in 20 on 2.9.0, none in 20 on every other version above; a collective
-    under CommDebugMode: 5 in 8 on 2.4.1); _t: only as torch.distributed._tensor.debug.
+    under CommDebugMode: 5 in 8 on 2.4.1; later also on 2.9.1, in 7 of 14 runs of lesson 07's
+    slow-rank test, and in none of 14 once `dh.process_group` yielded the GIL for 20 ms before
+    destroying the group, as it now does; see pytorch#190489);
+    _t: only as torch.distributed._tensor.debug.
     2.9.0 to 2.10.0 print "[Gloo] Rank r is connected to 1 peer ranks..." at every init (2.11 not).
 
 Hence the floor, torch 2.9.1: before 2.9 FSDP2 on a CPU is missing or silently wrong, and 2.9.0

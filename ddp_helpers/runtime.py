@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -196,6 +197,12 @@ def process_group(rank: int | None = None, world_size: int | None = None, backen
         yield where
     finally:
         if dist.is_initialized():
+            # A gloo worker thread that just ran a Python future callback (a DDP comm hook's
+            # `.then`) still drops its last references to Python objects, which needs the GIL;
+            # destroying the group joins that thread while holding the GIL, and on some torch
+            # versions the rank hangs there (seen on 2.9.0 and 2.9.1, see compat.py). Sleeping
+            # releases the GIL for a moment, so the thread can finish first.
+            time.sleep(0.02)
             dist.destroy_process_group()
 
 

@@ -115,7 +115,9 @@ def test_nccl_without_enough_gpus_is_refused_before_launch():
 
 def test_process_group_says_what_it_chose(capsys, no_leftovers):
     dh.launch(rank_fns.all_reduce_sum, args=(2,), nprocs=2, timeout=60)
-    assert capsys.readouterr().out == ""  # verbose=False in that function
+    out = capsys.readouterr().out
+    # verbose=False in that function; torch 2.9 and 2.10 print a line of their own at every init
+    assert [ln for ln in out.splitlines() if "[Gloo] Rank" not in ln] == []
     dh.launch(rank_fns.backend_seen_verbose, args=(2,), nprocs=2, timeout=60)
     out = capsys.readouterr().out
     assert out.count("process group:") == 1  # one line, from rank 0
