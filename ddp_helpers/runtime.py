@@ -201,8 +201,10 @@ def process_group(rank: int | None = None, world_size: int | None = None, backen
             # `.then`) still drops its last references to Python objects, which needs the GIL;
             # destroying the group joins that thread while holding the GIL, and on some torch
             # versions the rank hangs there (seen on 2.9.0 and 2.9.1, see compat.py). Sleeping
-            # releases the GIL for a moment, so the thread can finish first.
-            time.sleep(0.02)
+            # releases the GIL for a moment, so the thread can finish first (gloo only: NCCL's
+            # callbacks run elsewhere, and a warm launch should not pay for it).
+            if dist.get_backend() == "gloo":
+                time.sleep(0.02)
             dist.destroy_process_group()
 
 
