@@ -1,6 +1,7 @@
 """Lesson 07: step phases, buckets on a profiler timeline, all-reduce bandwidth, scaling; a hang's
 stacks, a crash's error files under torchrun, and the exercises' checks. Real gloo ranks."""
 
+import json
 import math
 import tempfile
 import types
@@ -64,9 +65,24 @@ def test_step_phases_refuses_an_unknown_mode(no_leftovers):
 
 
 @pytest.fixture(scope="module")
-def timelines():
-    return {cap: dh.launch(lesson.bucket_timeline, args=(2, cap, 2, 32, 1, 2), nprocs=2,
-                           output="none", timeout=180) for cap in (0.25, 25.0)}
+def trace_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces")
+
+
+@pytest.fixture(scope="module")
+def timelines(trace_dir):
+    return {cap: dh.launch(lesson.bucket_timeline, args=(2, cap, 2, 32, 1, 2, str(trace_dir)),
+                           nprocs=2, output="none", timeout=180) for cap in (0.25, 25.0)}
+
+
+def test_every_rank_exports_its_trace_for_perfetto(timelines, trace_dir):
+    written = sorted(p.name for p in trace_dir.iterdir())
+    assert written == sorted(lesson.trace_name(cap, r) for cap in timelines for r in (0, 1))
+    for name in written:
+        events = json.loads((trace_dir / name).read_text())["traceEvents"]
+        # The CPU's ranges ("gpu_user_annotation" repeats them in a GPU trace)
+        names = [e.get("name") for e in events if e.get("cat") == "user_annotation"]
+        assert names.count("step") == 2 and names.count("forward") == 2
 
 
 def test_a_smaller_bucket_cap_gives_more_buckets(timelines):

@@ -163,13 +163,16 @@ def waited_longest(records: list[dict]) -> int:
 
 
 def bucket_timeline(rank: int, world_size: int, bucket_cap_mb: float = 25.0, steps: int = 4,
-                    batch: int = 64, warmup: int = 2, profiled: int = 3) -> dict:
+                    batch: int = 64, warmup: int = 2, profiled: int = 3,
+                    trace_dir: str | None = None) -> dict:
     """Train `models.deep_mlp` with DDP: time `steps` steps, then profile `profiled` more.
 
     Returns the bucket count, each timed step's seconds, and the profiled steps' events as
     records {"step", "lane", "name", "start", "end"}, in seconds from the first profiled step's
     start. Lanes: "forward"; "compute", the backward ops (on a GPU: every kernel but NCCL's);
     "all-reduce", each bucket's (gloo's from start to completion; on a GPU NCCL's kernels).
+    With `trace_dir`, each rank also writes the whole trace there as
+    `cap<bucket_cap_mb>_rank<rank>.json`, for https://ui.perfetto.dev or chrome://tracing.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -207,9 +210,17 @@ def bucket_timeline(rank: int, world_size: int, bucket_cap_mb: float = 25.0, ste
             # with this barrier (and 0 of 32 without it on 2.14). The barrier costs nothing
             # the plot shows: it runs after the last "step" range.
             dist.barrier()
+        if trace_dir is not None:
+            os.makedirs(trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(trace_dir, trace_name(bucket_cap_mb, rank)))
         return {"rank": rank, "bucket_cap_mb": bucket_cap_mb, "buckets": times.buckets,
                 "device": device.type, "step_seconds": seconds,
                 "events": _timeline(prof.events(), device.type)}
+
+
+def trace_name(bucket_cap_mb: float, rank: int) -> str:
+    """The file `bucket_timeline` writes a rank's trace to, inside its `trace_dir`."""
+    return f"cap{bucket_cap_mb:g}_rank{rank}.json"
 
 
 def _on_gpu(e) -> bool:
