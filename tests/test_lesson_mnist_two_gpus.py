@@ -3,6 +3,7 @@ the notebook prints; the exercises' checks pass the kit's solutions and fail wro
 
 from __future__ import annotations
 
+import json
 import math
 import types
 
@@ -130,6 +131,33 @@ def test_a_second_node_asks_the_faithful_listing_for_gpus_it_does_not_have():
     assert [r["faithful"] for r in rows] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
     assert [r["faithful_exists"] for r in rows] == [True, True, False, False]
     assert all(r["fixed_exists"] for r in rows)
+
+
+ENV_PROBE = """import json, os, pathlib
+keys = ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+out = pathlib.Path(os.environ["PROBE_OUT"]) / (os.environ["RANK"] + ".json")
+out.write_text(json.dumps({k: int(os.environ[k]) for k in keys}))
+"""
+
+
+@pytest.mark.slow
+def test_the_simulated_nodes_are_what_torchrun_gives_two_nodes_of_two(tmp_path):
+    # The notebook computes the table; here two real torchrun agents ("nodes") of two workers
+    # each meet through c10d on loopback, and every worker writes the variables it was given.
+    from ddp_helpers.lessons import beyond_one_machine
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(ENV_PROBE)
+    agent = (f"torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
+             f"127.0.0.1:{dh.free_port()} --rdzv-id test05 {probe}")
+    env = {"PROBE_OUT": str(tmp_path)}
+    runs = beyond_one_machine.torchrun_agents([agent, agent], envs=[env, env], timeout=120)
+    assert [r["returncode"] for r in runs] == [0, 0], runs
+    seen = sorted((v["GROUP_RANK"], v["RANK"], v["LOCAL_RANK"], v["WORLD_SIZE"],
+                   v["LOCAL_WORLD_SIZE"])
+                  for v in (json.loads(f.read_text()) for f in tmp_path.glob("[0-9]*.json")))
+    rows = lesson.simulated_nodes(nnodes=2, gpus_per_node=2)
+    assert seen == [(r["node"], r["RANK"], r["LOCAL_RANK"], 4, 2) for r in rows]
 
 
 def test_in_memory_full_epoch_and_checkpoint(source, tmp_path):
