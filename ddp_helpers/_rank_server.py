@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._rank import current_spec, flush, to_cpu
-from .runtime import choose_backend, process_group
+from .runtime import choose_backend, let_gloo_threads_finish, process_group
 
 # Where a stuck main thread waits on its peers: frames in these parts of torch. Backward counts
 # because DDP's reducer waits for its bucket all-reduces at the end of backward.
@@ -46,6 +46,7 @@ def serve(rank: int, world_size: int, group: bool, backend: str, timeout_s: floa
         _loop(spec, namespace)
     finally:  # the learner's own group, if they made one
         if dist.is_available() and dist.is_initialized():
+            let_gloo_threads_finish()  # the learner's cells may have run Python comm hooks
             dist.destroy_process_group()
 
 

@@ -32,7 +32,9 @@ measured 2026-12-01; "yes" = ran and matched DDP or the expected numbers; 2.9 = 
     3 runs in 10 on 2.4.1, 7 in 20 on 2.9.0, none in 20 on every other version above; a collective
     under CommDebugMode: 5 in 8 on 2.4.1; later also on 2.9.1, in 7 of 14 runs of lesson 07's
     slow-rank test, and in none of 14 once `dh.process_group` yielded the GIL for 20 ms before
-    destroying the group, as it now does; see pytorch#190489);
+    destroying the group, as it now does; and in 4 of 100 launches of lesson 05's fixed listing,
+    stuck freeing its DDP model after its own destroy_process_group, none in 100 once its
+    `finish` paused the same way: `runtime.let_gloo_threads_finish`; see pytorch#190489);
     _t: only as torch.distributed._tensor.debug.
     2.9.0 to 2.10.0 print "[Gloo] Rank r is connected to 1 peer ranks..." at every init (2.11 not).
 

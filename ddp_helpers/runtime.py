@@ -197,15 +197,21 @@ def process_group(rank: int | None = None, world_size: int | None = None, backen
         yield where
     finally:
         if dist.is_initialized():
-            # A gloo worker thread that just ran a Python future callback (a DDP comm hook's
-            # `.then`) still drops its last references to Python objects, which needs the GIL;
-            # destroying the group joins that thread while holding the GIL, and on some torch
-            # versions the rank hangs there (seen on 2.9.0 and 2.9.1, see compat.py). Sleeping
-            # releases the GIL for a moment, so the thread can finish first (gloo only: NCCL's
-            # callbacks run elsewhere, and a warm launch should not pay for it).
-            if dist.get_backend() == "gloo":
-                time.sleep(0.02)
+            let_gloo_threads_finish()
             dist.destroy_process_group()
+
+
+def let_gloo_threads_finish() -> None:
+    """Call just before `dist.destroy_process_group()` after DDP ran a Python comm hook.
+
+    A gloo worker thread that just ran a Python future callback (a comm hook's `.then`) still
+    drops its last references to Python objects, which needs the GIL; destroying the group joins
+    that thread while holding the GIL, and on torch 2.9.0 and 2.9.1 the rank can hang there (see
+    compat.py). Sleeping 20 ms releases the GIL, so the thread finishes first. gloo only: NCCL's
+    callbacks run elsewhere, and other groups should not pay for it.
+    """
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        time.sleep(0.02)
 
 
 def _place_rank(kind: str, local_rank: int, local_world: int) -> torch.device:

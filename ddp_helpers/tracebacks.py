@@ -125,6 +125,12 @@ def main_thread_stack(dump: str) -> str:
     frames = _DUMP_FRAME.findall(main)[::-1]  # faulthandler prints the newest frame first
     names = [fn for _, _, fn in frames]
     frames = frames[names.index("rank_entry") + 1:] if "rank_entry" in names else frames
+    if main and not frames:
+        # rank_entry is the newest frame: the function it called has no frame left, so it had
+        # returned and its objects were being freed in C++ (e.g. a DDP model releasing its
+        # process group, whose destructor joins gloo's threads), where nothing Python shows.
+        return ("  (its function had returned: the rank was stuck in C++ code freeing what the "
+                "function left behind, such as a process group or a DDP model)")
     out: list[str] = []
     folded: tuple[str, str] | None = None  # (library, innermost function) being folded
     for path, line, fn in frames:

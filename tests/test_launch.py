@@ -13,6 +13,7 @@ import rank_fns
 from conftest import rank_processes, wait_no_rank_processes
 
 import ddp_helpers as dh
+from ddp_helpers.tracebacks import main_thread_stack
 
 
 def test_results_come_back_in_rank_order(no_leftovers):
@@ -155,6 +156,32 @@ def test_timeout_shows_where_each_rank_was(no_leftovers):
     assert "in rank_one_skips_barrier" in stacks[1] and "inside torch" not in stacks[1]
     assert "Where each rank was when it was stopped" in str(e.value)
     assert "_rank.py" not in str(e.value)  # the kit's plumbing is left out
+
+
+# faulthandler's dump of a rank that hung after its function returned, while freeing the DDP
+# model that held a destroyed gloo group (seen on torch 2.9.1): no frame below rank_entry.
+RETURNED_DUMP = """Thread 0x00007f701b7fe6c0 (most recent call first):
+  <no Python frame>
+
+Thread 0x00007f70307ff6c0 (most recent call first):
+  File "/usr/lib/python3.11/multiprocessing/connection.py", line 395 in _recv
+  File "/kit/ddp_helpers/_rank.py", line 116 in watch
+  File "/usr/lib/python3.11/threading.py", line 982 in run
+
+Current thread 0x00007f714148ab80 (most recent call first):
+  File "/kit/ddp_helpers/_rank.py", line 82 in rank_entry
+  File "/venv/lib/python3.11/site-packages/torch/multiprocessing/spawn.py", line 95 in _wrap
+  File "/usr/lib/python3.11/multiprocessing/process.py", line 108 in run
+"""
+
+
+def test_a_rank_stuck_after_its_function_returned_is_said_so():
+    where = main_thread_stack(RETURNED_DUMP)
+    assert "its function had returned" in where and "freeing" in where
+    text = str(dh.LaunchTimeout.from_unfinished([1], 2, {1: "epoch 1 step 10/10"},
+                                                stacks={1: RETURNED_DUMP}))
+    assert "Where each rank was" in text and "its function had returned" in text
+    assert main_thread_stack("") == ""  # no dump at all: nothing to say
 
 
 def test_results_of_finished_ranks_survive_a_failure(tmp_path, no_leftovers):

@@ -33,7 +33,7 @@ from ddp_helpers import digits, models, training
 from ddp_helpers.checks import case
 from ddp_helpers.data import DataSource, ShardedBatches, mnist_tensors, prepare_data
 from ddp_helpers.exercises import exercise_check, require
-from ddp_helpers.runtime import BACKEND_VAR, usable_cores
+from ddp_helpers.runtime import BACKEND_VAR, let_gloo_threads_finish, usable_cores
 
 LISTING_PORT = 23456  # the listing's init_method='tcp://localhost:23456'
 NOTEBOOK_SUBSET = 3_000  # training images the notebook's DataLoader runs use (of 60,000)
@@ -249,6 +249,9 @@ def finish(model: DistributedDataParallel, rec: training.Recorder, cfg: MnistCon
         reloaded = training.evaluate(again, x_test, y_test, rec.rank, rec.world_size)
     records = rec.records(model, accuracy, reloaded_accuracy=reloaded, data=source.describe(),
                           backend=dist.get_backend())
+    # The Recorder's all-reduce timer is a Python comm hook: let gloo's threads let go of it
+    # before the fixed listing destroys the group (a rank hung there on torch 2.9.1).
+    let_gloo_threads_finish()
     if not cfg.gather:
         return records
     if device.type == "cuda":  # gather_object's tensors go to the current GPU (the listing
