@@ -13,6 +13,7 @@ from mnist_shared import offline_source
 
 import ddp_helpers as dh
 from ddp_helpers import exercises
+from ddp_helpers.lessons import beyond_one_machine
 from ddp_helpers.lessons import mnist_two_gpus as lesson
 
 WORLD = 2
@@ -144,8 +145,6 @@ out.write_text(json.dumps({k: int(os.environ[k]) for k in keys}))
 def test_the_simulated_nodes_are_what_torchrun_gives_two_nodes_of_two(tmp_path):
     # The notebook computes the table; here two real torchrun agents ("nodes") of two workers
     # each meet through c10d on loopback, and every worker writes the variables it was given.
-    from ddp_helpers.lessons import beyond_one_machine
-
     probe = tmp_path / "probe.py"
     probe.write_text(ENV_PROBE)
     agent = (f"torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint "
