@@ -130,7 +130,9 @@ def main_thread_stack(dump: str) -> str:
         # returned and its objects were being freed in C++ (e.g. a DDP model releasing its
         # process group, whose destructor joins gloo's threads), where nothing Python shows.
         return ("  (its function had returned: the rank was stuck in C++ code freeing what the "
-                "function left behind, such as a process group or a DDP model)")
+                "function left behind, such as a process group or a DDP model; with gloo on "
+                "torch 2.9 after Python comm hooks, a known hang: call "
+                "ddp_helpers.runtime.let_gloo_threads_finish() before the function returns)")
     out: list[str] = []
     folded: tuple[str, str] | None = None  # (library, innermost function) being folded
     for path, line, fn in frames:
