@@ -304,7 +304,9 @@ def test_slurm_script_outside_a_job_says_so():
 @pytest.mark.slow
 def test_slurm_script_runs_two_nodes_on_this_machine(reference, tmp_path):
     env = {**fake_slurm(tmp_path, ["127.0.0.1", "127.0.0.1"], 77, 2), "NPROC_PER_NODE": "1",
-           "MASTER_PORT": str(dh.free_port()), "TORCHRUN": " ".join(TORCHRUN)}
+           "MASTER_PORT": str(dh.free_port()), "TORCHRUN": " ".join(TORCHRUN),
+           # (no /tmp/torchelastic_* folder left behind per agent)
+           "TMPDIR": str(tmp_path)}
     out = tmp_path / "run"
     node = f"bash {SLURM_SCRIPT} {TRAIN} --out {out}"
     procs = [subprocess.Popen(node.split(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -169,10 +169,11 @@ def test_torchrun_report_needs_torchrun(monkeypatch):
 
 
 @pytest.mark.slow
-def test_torchrun_sets_the_variables_the_table_shows():
+def test_torchrun_sets_the_variables_the_table_shows(tmp_path):
     torchrun = Path(sys.executable).parent / "torchrun"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
+                           "--log-dir", str(tmp_path), "-m",
                            "ddp_helpers.lessons.spawning"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]

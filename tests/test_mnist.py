@@ -102,6 +102,12 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _logs(tmp_path: Path) -> list[str]:
+    """torchrun's --log-dir in the test's folder: without one, each agent leaves a
+    /tmp/torchelastic_* folder behind."""
+    return ["--log-dir", str(tmp_path / "torchrun_logs")]
+
+
 def _accuracy(text: str) -> float:
     found = re.findall(r"final test accuracy: ([0-9.]+)", text)
     assert len(found) == 1, text
@@ -128,7 +134,7 @@ def test_cli_under_torchrun(source, tmp_path):
     out = tmp_path / "run"
     # --standalone: torchrun binds a free port itself (a port picked here could be taken by
     # another process before torchrun binds it)
-    p = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2",
+    p = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", *_logs(tmp_path),
                         "-m", "ddp_helpers.mnist", "--train-subset", "1280", "--num-workers", "0",
                         "--data-root", source.root, "--out", str(out)],
                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
@@ -144,7 +150,7 @@ def test_cli_under_torchrun(source, tmp_path):
 @pytest.mark.slow
 def test_cli_as_two_torchrun_nodes_on_one_machine(source, tmp_path):
     port = dh.free_port()
-    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    common = [*_logs(tmp_path), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test{port}",
               "-m", "ddp_helpers.mnist", "--train-subset", "1280", "--num-workers", "0",
               "--data-root", source.root, "--out", str(tmp_path / "run")]

@@ -241,13 +241,19 @@ def final_params(out_dir: str | os.PathLike) -> torch.Tensor:
 def torchrun_agents(commands: list[str], envs: list[dict] | None = None, timeout: float = 240,
                     log_dir: str | os.PathLike | None = None) -> list[dict]:
     """Start every command at once (each a `torchrun ...` line: one agent, i.e. one "node") and
-    wait for all; torchrun is this venv's, with `--log-dir log_dir` when given (its error files
-    go there). Each agent's exit code and output come back, the output without machine paths:
-    log_dir shown as <logs>, other temporary paths as <tmp>, the rest relative to the checkout."""
-    envs = envs or [{}] * len(commands)
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    if log_dir is not None:
-        torchrun += ["--log-dir", str(log_dir)]
+    wait for all; torchrun is this venv's, with `--log-dir log_dir` (its error files go there;
+    without log_dir, a temporary folder removed afterwards, where torchrun alone would leave a
+    /tmp/torchelastic_* folder behind per agent). Each agent's exit code and output come back,
+    the output without machine paths: the log folder shown as <logs>, other temporary paths as
+    <tmp>, the rest relative to the checkout."""
+    with tempfile.TemporaryDirectory(prefix="torchrun_logs_") as own_logs:
+        return _run_agents(commands, envs or [{}] * len(commands), timeout,
+                           own_logs if log_dir is None else log_dir)
+
+
+def _run_agents(commands: list[str], envs: list[dict], timeout: float,
+                log_dir: str | os.PathLike) -> list[dict]:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(log_dir)]
     procs = [subprocess.Popen(torchrun + shlex.split(cmd)[1:], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env={**os.environ, **env}, start_new_session=True)
