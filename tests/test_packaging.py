@@ -105,3 +105,18 @@ def test_github_workflow_runs_the_test_command_on_two_pythons_and_the_floor():
     setups = [step for job in jobs.values() for step in job["steps"]
               if step.get("uses", "").startswith("actions/setup-python")]
     assert setups and all(step["with"].get("cache") == "pip" for step in setups)
+
+
+# The first major of each action that runs on Node 24: GitHub removed Node 20 from its runners
+# in September 2026, and actions on it (checkout@v4, setup-python@v5) no longer start there.
+NODE24_MAJORS = {"actions/checkout": 5, "actions/setup-python": 6}
+
+
+def test_github_workflow_actions_run_on_node_24():
+    yaml = pytest.importorskip("yaml")
+    steps = [step for job in yaml.safe_load(WORKFLOW.read_text())["jobs"].values()
+             for step in job["steps"] if "uses" in step]
+    for step in steps:
+        action, _, version = step["uses"].partition("@")
+        assert action in NODE24_MAJORS, f"{action}: add the first major that runs on Node 24"
+        assert int(version.lstrip("v").split(".")[0]) >= NODE24_MAJORS[action], step["uses"]
