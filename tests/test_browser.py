@@ -8,6 +8,7 @@ Screenshots land in tests/browser-artifacts/ (kept, gitignored) for a failing ru
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 
@@ -43,12 +44,18 @@ class Expect:
 
 SETUP = "00_check_your_setup.ipynb"
 SYNC = "06_gradient_sync_effects.ipynb"
-RANKS = "03_ddp_wrapping.ipynb"  # written in %%ranks cells: the learner types the code
-# Both lessons' launching cells relay one line, from rank 0: dh.process_group says there which
+# Written in %%ranks cells: the learner types the code, every rank prints, plots come from
+# --return.
+RANKS = "03_ddp_wrapping.ipynb"
+SCRATCH = "09_ddp_from_scratch.ipynb"
+AFTER_DDP = "10_sharding_and_compression.ipynb"
+# 00's and 06's launching cells relay one line, from rank 0: dh.process_group says there which
 # backend it chose (the other ranks stay quiet).
 EXPECT = {SETUP: Expect(ranks=(0,), min_images=0),
           SYNC: Expect(ranks=(0,), min_images=1),
-          RANKS: Expect(ranks=(0, 1), min_images=1, marker="%%ranks")}
+          RANKS: Expect(ranks=(0, 1), min_images=1, marker="%%ranks"),
+          SCRATCH: Expect(ranks=(0, 1), min_images=3, marker="%%ranks"),
+          AFTER_DDP: Expect(ranks=(0, 1), min_images=3, marker="%%ranks")}
 PANEL_SLIDER = "steps"  # the panel's slider the test moves
 
 
@@ -169,16 +176,26 @@ def test_gradient_sync_panel_reruns_and_redraws(notebook):
     assert not errors, f"the rerun after moving {PANEL_SLIDER!r} showed errors: {errors}"
 
 
-@pytest.mark.parametrize("notebook", [RANKS], indirect=True)
+@pytest.mark.parametrize("notebook", [RANKS, SCRATCH, AFTER_DDP], indirect=True)
 def test_ranks_lesson_shows_every_rank_and_plots_what_came_back(notebook):
-    run_all_and_check(notebook, EXPECT[RANKS])
-    cells = notebook.cells
-    returning = [i for i, c in enumerate(cells) if c.source.startswith("%%ranks --return")]
-    assert returning, f"{notebook.name}: no `%%ranks --return NAME` cell"
-    name = cells[returning[0]].source.split()[2].split(",")[0]
-    plotting = [i for i, c in enumerate(cells) if i > returning[0] and c.cell_type == "code"
-                and "plots." in c.source and name in c.source]
-    assert plotting, f"{notebook.name}: no plots.* cell uses {name!r} after it came back"
-    notebook.screenshot("plot-from-return", notebook.cell_nodes().nth(plotting[0]))
-    assert notebook.cell_images(plotting[0]) >= 1, (
-        f"{notebook.name}: cell {plotting[0]} drew no image from the returned {name!r}")
+    run_all_and_check(notebook, EXPECT[notebook.name])
+    index, name = _first_plot_of_returned_data(notebook.cells)
+    notebook.screenshot("plot-from-return", notebook.cell_nodes().nth(index))
+    assert notebook.cell_images(index) >= 1, (
+        f"{notebook.name}: cell {index} drew no image from the returned {name!r}")
+
+
+def _first_plot_of_returned_data(cells) -> tuple[int, str]:
+    """The first code cell that plots (plots.*) a variable an earlier `%%ranks --return` cell
+    brought back, and that variable's name."""
+    returned: set[str] = set()
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "code":
+            continue
+        if cell.source.startswith("%%ranks --return"):
+            returned.update(cell.source.split()[2].split(","))
+        elif "plots." in cell.source:
+            used = sorted(n for n in returned if re.search(rf"\b{n}\b", cell.source))
+            if used:
+                return i, used[0]
+    pytest.fail("no plots.* cell uses what a `%%ranks --return NAME` cell brought back")
