@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ddp_helpers.runtime import gpu_count
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -34,7 +36,7 @@ def median(xs: list[float]) -> float:
 
 def machine_line() -> str:
     """Date, machine and versions, printed above every table."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()
     return (f"{date.today().isoformat()}, {platform.machine()} with {os.cpu_count()} cores, "
             f"{gpus} GPU(s), Python {platform.python_version()}, torch {torch.__version__}")
 

@@ -40,8 +40,12 @@ def usable_cores() -> int:
 
 
 def gpu_count() -> int:
-    """Visible CUDA GPUs, counted without creating a CUDA context (safe in the parent)."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Visible CUDA GPUs (CUDA_VISIBLE_DEVICES applied), counted through NVML, which creates
+    no CUDA context and leaves the driver uninitialised in this process, so a later fork stays
+    safe (torch: "will NOT poison fork"). `torch.cuda.is_available()` is not called: it
+    initialises the driver (cuInit). Where NVML fails, torch falls back to the CUDA runtime's
+    count, which does initialise it."""
+    return torch.cuda.device_count()
 
 
 def device_ids(device: torch.device | str) -> list[int] | None:

@@ -17,7 +17,8 @@ set -euo pipefail
 # the other agents connect to it.
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:?SLURM_JOB_NUM_NODES is not set}}
-# A port from the job id: two jobs sharing a first node do not collide; MASTER_PORT overrides.
+# A port from the job id: two jobs sharing a first node collide only if their ids are equal
+# modulo 1000; MASTER_PORT overrides.
 MASTER_PORT=${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 1000))}
 # One worker per GPU when Slurm gave GPUs; NPROC_PER_NODE overrides (e.g. on CPU nodes).
 NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}

@@ -109,7 +109,8 @@ def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every:
     if fault_step is not None and not 1 <= fault_step <= steps:
         raise ValueError(f"rank {rank}: fault_step={fault_step} is outside steps 1..{steps}; "
                          "pick a step inside the run, or None for no fault.")
-    torch.set_num_threads(1)  # same arithmetic under every launcher (torchrun sets 1 thread too)
+    # The same arithmetic under any launcher (torchrun sets 1 thread only for 2+ workers a node).
+    torch.set_num_threads(1)
     # torchrun counts its agent's restarts; under dh.launch there are none, so attempt 0.
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = Path(out_dir)
@@ -121,7 +122,8 @@ def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every:
         model = make_model(seed).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         # Every rank loads the checkpoint itself: the optimizer's momentum is per rank, and DDP
-        # only broadcasts parameters. Loading before DDP's first broadcast keeps ranks in step.
+        # broadcasts parameters and buffers only. Loading before DDP's first broadcast keeps ranks
+        # in step.
         ckpt = load_checkpoint(out)
         start = 0
         if ckpt is not None:

@@ -29,7 +29,7 @@ from ..timing import Timer
 STEPS, LR, BATCH, SEQ = 3, 0.5, 16, 6
 RTOL, ATOL = 1e-5, 1e-6  # float32 sums taken in another order: a few ulps apart at most
 SMALL = {"vocab": 32, "width": 16, "depth": 2}  # checks: 7 parameters, 6 with gradients
-LARGE = {"vocab": 1024, "width": 256, "depth": 6}  # timing: 14 gradients, 2.6 MiB
+LARGE = {"vocab": 1024, "width": 256, "depth": 6}  # timing: 14 gradients, 2.5 MiB
 LARGE_BATCH = 64
 TIMED = ("none", "naive", "flat", "overlapped", "bucketed", "ddp")
 # Caps that give the large model 14, 7, 4, 3, 2 and 1 buckets (a layer is 257 KiB).
