@@ -70,9 +70,14 @@ def _loop(spec, namespace: dict) -> None:
     spec.result.send_bytes(pickle.dumps(("ok", _greeting(namespace))))
     while True:
         try:
-            message = pickle.loads(spec.commands.recv_bytes())
+            data = spec.commands.recv_bytes()
         except (EOFError, OSError):
             return  # the parent is gone
+        try:
+            message = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - a value this rank cannot rebuild: say so, stay up
+            spec.result.send_bytes(pickle.dumps(("error", type(e).__qualname__, str(e), "")))
+            continue
         if message[0] == "stop":
             return
         if message[0] == "run":

@@ -87,7 +87,9 @@ def _finish(ranks: RankSet, drain: float) -> None:
 
 
 def _unfinished(ranks: RankSet) -> list[int]:
-    return [r for r in range(ranks.nprocs) if ranks.reports.get(r, ("",))[0] != "ok"]
+    """Ranks without a result, and ranks whose process has not exited after returning one."""
+    return [r for r in range(ranks.nprocs)
+            if ranks.reports.get(r, ("",))[0] != "ok" or r not in ranks.exitcodes]
 
 
 def _error(ranks: RankSet, outcome: str, stacks: dict[int, str]) -> LaunchError | None:
@@ -98,8 +100,13 @@ def _error(ranks: RankSet, outcome: str, stacks: dict[int, str]) -> LaunchError 
     if outcome == "timeout":
         unfinished = _unfinished(ranks)
         last = {r: ranks.relay.last_line(r) for r in unfinished}
+        lingering = [r for r in unfinished if r in done]
+        consequence = "Every rank was stopped." + (
+            f" Rank(s) {', '.join(map(str, lingering))} had returned a value but their process "
+            "did not exit: a non-daemon thread or a child process it started was still running."
+            if lingering else "")
         return LaunchTimeout.from_unfinished(unfinished, ranks.nprocs, last, stacks=stacks,
-                                             **kw)
+                                             consequence=consequence, **kw)
     failure = ranks.first_failure()
     if failure is None:
         return None

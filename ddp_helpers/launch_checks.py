@@ -187,8 +187,14 @@ def _main_globals(blob: bytes) -> list[str]:
 
 
 def check_port_free(addr: str, port: int) -> None:
-    """Refuse a caller-chosen MASTER_PORT that another process already holds."""
+    """Refuse a caller-chosen MASTER_PORT that is no port, or that another process holds."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise LaunchRefused(f"master_port={port!r}: give a port number from 1 to 65535, or leave "
+                            "it unset and launch picks a free one. Nothing was started.")
     with socket.socket() as s:
+        # As torch's TCPStore does: a port whose last connections wait in TIME_WAIT can be
+        # listened on again; one that a process listens on still fails to bind.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((addr, port))
         except OSError as e:

@@ -23,7 +23,14 @@ from ._rank_server import serve
 from .census import pid_alive
 from .errors import LaunchError, LaunchRefused, LaunchTimeout, RankDied, RankRaised
 from .launch import free_port
-from .launch_checks import check_backend, check_env, check_output, check_run_options, check_timeout
+from .launch_checks import (
+    _main_globals,
+    check_backend,
+    check_env,
+    check_output,
+    check_run_options,
+    check_timeout,
+)
 from .supervisor import Failure, Priority, RankSet
 
 _current: Ranks | None = None  # the pool `%%ranks` cells and dh.check(...) use
@@ -58,10 +65,9 @@ class Ranks:
     def __init__(self, nprocs: int = 2, backend: str = "auto", timeout: float = 60, *,
                  group: bool = True, output: str = "live", env: dict | None = None,
                  start_method: str = "forkserver"):
-        check_run_options(nprocs, timeout, start_method, output)
+        self._env = check_options(nprocs, backend, timeout, output, env, start_method)
         self.nprocs, self.backend, self.timeout = nprocs, backend, timeout
         self.group, self.output, self.start_method = group, output, start_method
-        self._env = {**check_env(env), **check_backend(backend, nprocs)}
         self._set: RankSet | None = None
         self._info: list[dict] = []
         self.cells_run = 0
@@ -151,10 +157,17 @@ class Ranks:
         """Set variables on every rank (or on `targets`): push(lr=0.1, steps=5)."""
         targets = self._check_targets(targets)
         try:
-            pickle.dumps(values)
+            blob = pickle.dumps(values)
         except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
             raise LaunchRefused(f"push: the values cannot be sent to the ranks ({e}). Push plain "
                                 "data (numbers, strings, lists, dicts, CPU tensors).") from e
+        in_main = _main_globals(blob)
+        if in_main:
+            raise LaunchRefused(
+                f"push: {', '.join(in_main)} is defined in this notebook, which the ranks cannot "
+                "import, so they could not rebuild the value. Define it in a %%ranks cell and "
+                "build the value there, or push plain data (numbers, strings, lists, dicts, CPU "
+                "tensors). Nothing was sent.")
         self._ensure_running()
         self._request(("push", values), targets, self.timeout, self.output)
 
@@ -194,7 +207,7 @@ class Ranks:
                 ) -> LaunchError:
         ranks = self._set
         failure = ranks.first_failure()
-        if outcome == "done" and not starting:  # every target answered: the state stays
+        if outcome == "done" and not starting and not ranks.exitcodes:  # the state stays
             return RankRaised.from_report(
                 failure.rank, self.nprocs, ranks.reports[failure.rank][1:],
                 consequence="The other ranks finished the cell; every rank keeps its state.")
@@ -254,6 +267,17 @@ class Ranks:
             raise LaunchRefused(f"targets={targets!r}: give ranks from 0 to {self.nprocs - 1}, "
                                 "e.g. targets=[0] (or --targets 0,1). Nothing was run.")
         return sorted(set(targets))
+
+
+def check_options(nprocs, backend, timeout, output, env, start_method="forkserver") -> dict:
+    """Every refusal Ranks(...) makes before starting anything (LaunchRefused); returns the
+    ranks' extra environment."""
+    check_run_options(nprocs, timeout, start_method, output)
+    if timeout == float("inf"):
+        raise LaunchRefused("timeout=inf: the ranks' process group needs a finite timeout for "
+                            "one collective; give seconds, e.g. timeout=3600. Nothing was "
+                            "started.")
+    return {**check_env(env), **check_backend(backend, nprocs)}
 
 
 def current() -> Ranks | None:
@@ -319,7 +343,9 @@ class _Watch:
 
     def where_all(self) -> dict[int, dict | None]:
         for r in self.unfinished():
-            if r not in self.seen:
+            if not self.ranks.alive(r):
+                self.seen[r] = {"exited": True}
+            elif r not in self.seen:
                 self.seen[r] = self.ranks.where(r)
         return {r: self.seen.get(r) for r in self.unfinished()}
 
@@ -343,7 +369,9 @@ def _reason(outcome: str, failure: Failure | None) -> str:
 def _where_text(where: dict[int, dict | None]) -> str:
     parts = []
     for rank, info in sorted(where.items()):
-        if info is None:
+        if info is not None and info.get("exited"):
+            parts.append(f"rank {rank} had exited")
+        elif info is None:
             parts.append(f"rank {rank} did not answer (blocked in C++ code)")
         elif info.get("cell"):
             call = f"in {info['call']}, " if info.get("call") else ""

@@ -18,7 +18,7 @@ import shlex
 
 from .errors import LaunchRefused
 from .launch_checks import OUTPUT_MODES
-from .ranks import Ranks, current
+from .ranks import Ranks, check_options, current
 
 _USAGE = ("Use `%ranks start 2` (options --backend, --timeout, --no-group, --output, --env), then "
           "`%%ranks` cells; `%ranks status`, `%ranks restart`, `%ranks stop`.")
@@ -58,10 +58,12 @@ def ranks_line(line: str) -> object:
     pool = current()
     if args.action == "start":
         n = _nprocs(args.nprocs)
+        env = _env(args.env)
+        check_options(n, args.backend, args.timeout, args.output, env)  # before stopping any
         if pool is not None and pool.running:
             pool.stop()  # re-running a notebook from the top starts afresh
         Ranks(n, backend=args.backend, timeout=args.timeout, group=args.group,
-              output=args.output, env=_env(args.env))
+              output=args.output, env=env)
         return None
     if pool is None:
         raise LaunchRefused(f"%ranks {args.action}: no ranks were started. {_USAGE}")
@@ -89,7 +91,7 @@ def ranks_cell(line: str, cell: str, user_ns: dict) -> None:
                             "name; give names separated by commas, e.g. --return loss,grads.")
     replies = pool.run(cell, targets=targets, timeout=args.timeout, output=args.output,
                        returns=tuple(names))
-    ranks = targets if targets is not None else list(range(pool.nprocs))
+    ranks = sorted(set(targets)) if targets is not None else list(range(pool.nprocs))
     for rank, (value, _) in zip(ranks, replies):
         if value is not None:
             _show(rank, value)

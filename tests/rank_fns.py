@@ -203,3 +203,12 @@ def abort_alone(rank, world_size):
         if rank == 1:
             os.abort()
         dist.barrier()
+
+
+def returns_but_leaves_a_thread(rank):
+    """Returns at once, but a non-daemon thread keeps the process alive for a minute."""
+    import threading
+    import time
+
+    threading.Thread(target=time.sleep, args=(60,)).start()
+    return rank * 10

@@ -184,6 +184,28 @@ def test_a_rank_stuck_after_its_function_returned_is_said_so():
     assert main_thread_stack("") == ""  # no dump at all: nothing to say
 
 
+def test_ranks_that_returned_but_did_not_exit_are_named_with_their_results(no_leftovers):
+    with pytest.raises(dh.LaunchTimeout) as info:
+        dh.launch(rank_fns.returns_but_leaves_a_thread, nprocs=2, timeout=5, output="none")
+    text = str(info.value)
+    assert "rank(s) 0, 1 of 2 had not finished" in text, text
+    assert "had returned a value but their process did not exit" in text, text
+    assert info.value.results == [0, 10]
+
+
+def test_a_fixed_master_port_can_be_used_again_right_after_a_run(no_leftovers):
+    port = dh.free_port()
+    for _ in range(2):  # the first run's connections leave the port in TIME_WAIT
+        assert dh.launch(rank_fns.all_reduce_sum, args=(2,), nprocs=2, timeout=60,
+                         master_port=port) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("port", [70000, 0, "29500", True])
+def test_refuses_a_master_port_that_is_no_port(port):
+    with pytest.raises(dh.LaunchRefused, match=r"give a port number from 1 to 65535"):
+        dh.launch(rank_fns.rank_times_ten, nprocs=2, timeout=10, master_port=port)
+
+
 def test_results_of_finished_ranks_survive_a_failure(tmp_path, no_leftovers):
     with pytest.raises(dh.RankRaised, match="KeyError") as e:
         dh.launch(rank_fns.finish_then_other_raises, args=(str(tmp_path / "rank0.pid"),),

@@ -22,6 +22,41 @@ def pool(no_leftovers):
         yield p
 
 
+class _FailsToUnpickle:
+    """Pickles fine here; unpickling it on a rank raises (eval of 1/0)."""
+
+    def __reduce__(self):
+        return (eval, ("1/0",))
+
+
+def test_a_push_a_rank_cannot_rebuild_is_an_error_and_every_rank_keeps_its_state(pool):
+    pool.run("kept = rank + 10")
+    with pytest.raises(dh.RankRaised, match=r"(?s)ZeroDivisionError.*every rank keeps its state"):
+        pool.push(bad=_FailsToUnpickle())
+    assert pool.running and pool.get("kept") == [10, 11]
+
+
+def test_push_refuses_a_class_defined_in_the_notebook(pool, monkeypatch):
+    namespace = {"__name__": "__main__"}
+    exec("class Config:\n    lr = 0.1\n", namespace)
+    monkeypatch.setattr(sys.modules["__main__"], "Config", namespace["Config"], raising=False)
+    with pytest.raises(dh.LaunchRefused, match=r"__main__.Config is defined in this notebook"):
+        pool.push(cfg=namespace["Config"]())
+    assert pool.run("rank") == [0, 1] and pool.cells_run == 1  # nothing was sent
+
+
+def test_an_infinite_timeout_is_refused_before_anything_starts():
+    with pytest.raises(dh.LaunchRefused, match="finite timeout"):
+        dh.Ranks(2, timeout=float("inf"))
+
+
+def test_a_rank_that_exits_in_a_cell_is_said_to_have_exited(pool):
+    with pytest.raises(dh.RankDied) as info:
+        pool.run("import os, time\nif rank == 1:\n    os._exit(3)\ntime.sleep(30)")
+    text = str(info.value)
+    assert "rank 1 had exited" in text and "did not answer" not in text, text
+
+
 def test_state_persists_across_cells(pool):
     pool.run("t = torch.tensor([rank + 1.0])")
     pool.run("dist.all_reduce(t)")

@@ -46,6 +46,22 @@ def test_targets_and_by_rank_output(shell, capsys):
     assert "[rank 1] only me" in out and "[rank 0] only me" not in out
 
 
+def test_targets_in_any_order_label_each_value_with_its_own_rank(shell, capsys):
+    run(shell, "%ranks start 2 --output none")
+    assert run(shell, "%%ranks --targets 1,0,1\nrank * 100") is None
+    out = capsys.readouterr().out
+    assert "[rank 0] Out: 0\n[rank 1] Out: 100" in out, out
+
+
+def test_a_bad_start_line_leaves_the_running_ranks_alone(shell):
+    run(shell, "%ranks start 2 --output none")
+    run(shell, "%%ranks\nkept = rank")
+    for line in ("%ranks start 0", "%ranks start 2 --timeout 0", "%ranks start 2 --env X"):
+        assert isinstance(run(shell, line), dh.LaunchRefused)
+    assert ranks_module.current().running
+    assert run(shell, "%%ranks --return kept\nkept") is None and shell.user_ns["kept"] == [0, 1]
+
+
 def test_start_with_env_sets_it_for_the_ranks_only(shell):
     run(shell, "%ranks start 2 --output none --env TORCH_DISTRIBUTED_DEBUG=DETAIL --env X=a=b")
     assert run(shell, "%%ranks --return v\nimport os\nv = (os.environ['X'], "
