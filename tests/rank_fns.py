@@ -189,20 +189,29 @@ def save_twice_killed_mid_second_save(rank, world_size, path):
 
 
 def abort_after_peer_killed(rank, world_size):
-    """Rank 1 is SIGKILLed as rank 0 aborts, as gloo may abort a rank whose peer vanished."""
+    """Rank 1 is SIGKILLed, then rank 0 aborts, as gloo may abort a rank whose peer vanished.
+    Rank 0 aborts only once rank 1's process is gone (reaped), so both deaths are on their way
+    to the parent whatever the machine's load: the report must name rank 1's SIGKILL."""
+    import psutil
+
     with dh.process_group(rank, world_size, verbose=False):
-        dist.barrier()  # both at the same point, so the two deaths come together
+        pids = [None] * world_size
+        dist.all_gather_object(pids, os.getpid())
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while psutil.pid_exists(pids[1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.abort()
 
 
 def abort_alone(rank, world_size):
-    """Only rank 1 aborts; rank 0 waits for it in a barrier."""
+    """Only rank 1 aborts; rank 0 sleeps, outside any collective (in one, gloo could abort it
+    too, and two aborts are reported by the lower rank)."""
     with dh.process_group(rank, world_size, verbose=False):
         if rank == 1:
             os.abort()
-        dist.barrier()
+        time.sleep(60)
 
 
 def returns_but_leaves_a_thread(rank):

@@ -179,7 +179,8 @@ def test_even_batches_end_together(no_leftovers):
 
 def test_a_hang_shows_where_each_rank_waits(no_leftovers):
     with pytest.raises(dh.LaunchTimeout, match=r"rank\(s\) 0, 1 of 2 had not finished") as e:
-        dh.launch(lesson.uneven_batches, args=(2, [2, 3]), nprocs=2, output="none", timeout=5)
+        dh.launch(lesson.uneven_batches, args=(2, [2, 3]), nprocs=2, output="none",
+                  timeout=15)  # long enough for both ranks to reach their wait, under load
     assert e.value.last_lines == {0: "end of epoch: barrier",
                                   1: "step 2: all_reduce of the gradients"}
     stacks = e.value.stacks

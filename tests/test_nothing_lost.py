@@ -19,7 +19,10 @@ def test_rank_killed_while_saving_leaves_the_last_complete_checkpoint(tmp_path, 
                   timeout=60)
     model = mnist.load_checkpoint(path, "linear")  # the first save: complete, loadable
     assert torch.equal(model.state_dict()["1.bias"], torch.full((10,), 1.0))
-    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".pt"] == ["checkpoint.pt"]
+    # Beside it only the half-written next one, under its temporary name, which a SIGKILLed
+    # process cannot remove (it must never have replaced checkpoint.pt).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.pt.tmp", "checkpoint.pt"]
+    assert (tmp_path / ".checkpoint.pt.tmp").stat().st_size == 100
 
 
 def test_corrupt_checkpoint_names_the_file_and_the_fix(tmp_path):
