@@ -5,6 +5,7 @@ the same cases; `python -m bench.fault_campaign` prints the table the README quo
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -100,8 +101,15 @@ def _port_taken(case: Case, mark: str) -> BaseException | None:
 def _two_at_once(case: Case, mark: str) -> BaseException | None:
     root = Path(__file__).resolve().parents[1]
     procs = [subprocess.Popen([sys.executable, "-c", TWO_LAUNCHES], cwd=root, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              start_new_session=True) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:  # a hung launch: stop it and its ranks
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     if any(p.returncode != 0 or "ok" not in out for p, out in zip(procs, outs)):
         return RuntimeError("a concurrent launch failed:\n" + "\n".join(outs))
     return None

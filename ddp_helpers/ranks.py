@@ -154,7 +154,13 @@ class Ranks:
         return [named[name] for _, named in replies]
 
     def push(self, targets: list[int] | None = None, **values) -> None:
-        """Set variables on every rank (or on `targets`): push(lr=0.1, steps=5)."""
+        """Set variables on every rank (or on `targets`): push(lr=0.1, steps=5).
+
+        Raises:
+            LaunchRefused: a value that cannot be pickled, or one built from a class or function
+                defined in the notebook (the ranks cannot import it); nothing is sent.
+            RankRaised: a rank could not rebuild a value; every rank keeps its state.
+        """
         targets = self._check_targets(targets)
         try:
             blob = pickle.dumps(values)
