@@ -169,7 +169,7 @@ def test_check_collective_names_the_first_wrong_rank(capsys):
 
 @pytest.mark.parametrize("world", ["two", "three"])
 def test_nobody_leaves_the_barrier_before_the_last_arrival(world, pools, capsys):
-    replies = run_cell(pools[world], "time.sleep(0.3 * rank)")
+    replies = run_cell(pools[world], "time.sleep(0.5 * rank)")
     arrived, left = returned(replies, "arrived"), returned(replies, "left")
     assert lesson.barrier_check(arrived, left)
     assert f"the last to arrive was rank {len(arrived) - 1}" in capsys.readouterr().out
