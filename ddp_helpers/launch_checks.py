@@ -147,20 +147,26 @@ def _pickle_payload(fn, args: tuple) -> bytes:
         raise LaunchRefused(f"fn {fn!r} cannot be pickled ({type(e).__name__}: {e}). "
                             + _MODULE_FIX) from e
     for i, arg in enumerate(args):
-        try:
-            blob = pickle.dumps(arg)
-        except Exception as e:  # noqa: BLE001
-            raise LaunchRefused(
-                f"args[{i}] (a {type(arg).__name__}) cannot be pickled, so it cannot be sent to "
-                f"the ranks: {type(e).__name__}: {e}. Pass plain data (numbers, strings, lists, "
-                "dicts, CPU tensors) and build the rest inside the rank.") from e
-        main_refs = _main_globals(blob)
-        if main_refs:
-            raise LaunchRefused(
-                f"args[{i}] (a {type(arg).__name__}) refers to {', '.join(main_refs)} from the "
-                "notebook (__main__), which the ranks cannot import. Move that class or function "
-                "into a .py module. " + _MODULE_FIX)
+        check_sendable(arg, f"args[{i}] (a {type(arg).__name__})",
+                       plain_fix="Pass plain data (numbers, strings, lists, dicts, CPU tensors) "
+                                 "and build the rest inside the rank.",
+                       main_fix="Move that class or function into a .py module. " + _MODULE_FIX)
     return pickle.dumps((fn, args))
+
+
+def check_sendable(value, what: str, plain_fix: str, main_fix: str) -> None:
+    """Refuse a value the ranks could not receive: one that cannot be pickled (`plain_fix` says
+    what to send instead), or one that needs a class or function from the notebook's __main__,
+    which the ranks cannot import (`main_fix` says where to define it)."""
+    try:
+        blob = pickle.dumps(value)
+    except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
+        raise LaunchRefused(f"{what} cannot be pickled, so it cannot be sent to the ranks: "
+                            f"{type(e).__name__}: {e}. {plain_fix}") from e
+    main_refs = _main_globals(blob)
+    if main_refs:
+        raise LaunchRefused(f"{what} refers to {', '.join(main_refs)} from the notebook "
+                            f"(__main__), which the ranks cannot import. {main_fix}")
 
 
 def _main_globals(blob: bytes) -> list[str]:

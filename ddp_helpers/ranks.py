@@ -24,11 +24,11 @@ from .census import pid_alive
 from .errors import LaunchError, LaunchRefused, LaunchTimeout, RankDied, RankRaised
 from .launch import free_port
 from .launch_checks import (
-    _main_globals,
     check_backend,
     check_env,
     check_output,
     check_run_options,
+    check_sendable,
     check_timeout,
 )
 from .supervisor import Failure, Priority, RankSet
@@ -162,18 +162,12 @@ class Ranks:
             RankRaised: a rank could not rebuild a value; every rank keeps its state.
         """
         targets = self._check_targets(targets)
-        try:
-            blob = pickle.dumps(values)
-        except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
-            raise LaunchRefused(f"push: the values cannot be sent to the ranks ({e}). Push plain "
-                                "data (numbers, strings, lists, dicts, CPU tensors).") from e
-        in_main = _main_globals(blob)
-        if in_main:
-            raise LaunchRefused(
-                f"push: {', '.join(in_main)} is defined in this notebook, which the ranks cannot "
-                "import, so they could not rebuild the value. Define it in a %%ranks cell and "
-                "build the value there, or push plain data (numbers, strings, lists, dicts, CPU "
-                "tensors). Nothing was sent.")
+        for name, value in values.items():
+            check_sendable(value, f"push: {name} (a {type(value).__name__})",
+                           plain_fix="Push plain data (numbers, strings, lists, dicts, CPU "
+                                     "tensors). Nothing was sent.",
+                           main_fix="Define it in a %%ranks cell and build the value there, or "
+                                    "push plain data. Nothing was sent.")
         self._ensure_running()
         self._request(("push", values), targets, self.timeout, self.output)
 
@@ -375,10 +369,10 @@ def _reason(outcome: str, failure: Failure | None) -> str:
 def _where_text(where: dict[int, dict | None]) -> str:
     parts = []
     for rank, info in sorted(where.items()):
-        if info is not None and info.get("exited"):
-            parts.append(f"rank {rank} had exited")
-        elif info is None:
+        if info is None:
             parts.append(f"rank {rank} did not answer (blocked in C++ code)")
+        elif info.get("exited"):
+            parts.append(f"rank {rank} had exited")
         elif info.get("cell"):
             call = f"in {info['call']}, " if info.get("call") else ""
             parts.append(f"rank {rank} was {call}at {info['cell']}")

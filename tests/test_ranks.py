@@ -40,7 +40,7 @@ def test_push_refuses_a_class_defined_in_the_notebook(pool, monkeypatch):
     namespace = {"__name__": "__main__"}
     exec("class Config:\n    lr = 0.1\n", namespace)
     monkeypatch.setattr(sys.modules["__main__"], "Config", namespace["Config"], raising=False)
-    with pytest.raises(dh.LaunchRefused, match=r"__main__.Config is defined in this notebook"):
+    with pytest.raises(dh.LaunchRefused, match=r"push: cfg \(a Config\) refers to __main__.Config"):
         pool.push(cfg=namespace["Config"]())
     assert pool.run("rank") == [0, 1] and pool.cells_run == 1  # nothing was sent
 
