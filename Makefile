@@ -18,7 +18,7 @@ MIN_BIN := $(MIN_VENV)/bin
 MIN_STAMP := $(MIN_VENV)/.installed-stamp
 MIN_PINS = $(shell sed -nE 's/^ *"(torch|torchvision)>=([0-9.]+)",?$$/\1==\2/p' pyproject.toml)
 
-.PHONY: run test test-fast test-min lint-workflow notebooks lab bench soak gpu-check clean
+.PHONY: run test test-other-cpu test-fast test-min lint-workflow notebooks lab bench soak gpu-check clean
 
 PY_CHECK := import sys; sys.exit("Python 3.10 or newer is needed, this is " + sys.version.split()[0]) if sys.version_info < (3, 10) else None
 
@@ -45,13 +45,24 @@ run: $(STAMP)
 	$(BIN)/python -m ddp_helpers.mnist --nprocs 2 --epochs 1
 
 ## Everything CI checks: ruff, actionlint, the helper tests, then every notebook under nbval
-## (comparing mode) on the offline stand-in, prepared first so no cell prints "generating".
+## (comparing mode) on the offline stand-in, prepared first so no cell prints "generating";
+## then every notebook again with torch's and MKL's kernels for another vector unit
+## (tests/other_cpu.py), so that a compared output tied to this CPU fails here, not elsewhere.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory lint-workflow
 	$(BIN)/python -m pytest tests
 	$(NB_ENV) $(BIN)/python -c 'import ddp_helpers.data as d; d.prepare_data()'
 	$(NB_ENV) $(BIN)/python -m pytest $(NBVAL) notebooks
+	$(MAKE) --no-print-directory test-other-cpu
+
+## nbval on every notebook under the second CPU setting alone.
+test-other-cpu: $(STAMP)
+	$(NB_ENV) $(BIN)/python -c 'import ddp_helpers.data as d; d.prepare_data()'
+	@other="$$($(BIN)/python tests/other_cpu.py)"; \
+	if [ -z "$$other" ]; then echo "nbval, other CPU: this CPU has no second kernel setting"; \
+	else echo "nbval, other CPU: $$other"; \
+	  env $$other $(NB_ENV) $(BIN)/python -m pytest $(NBVAL) -q notebooks; fi
 
 ## The tests that exercise torch and torchvision, again on the oldest versions the kit claims, in
 ## .venv-min: the launcher and persistent ranks, every lesson's rank code and exercise checks,

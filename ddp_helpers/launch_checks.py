@@ -10,6 +10,7 @@ import pickletools
 import socket
 from typing import Any
 
+from . import main_guard
 from .errors import LaunchRefused
 
 START_METHODS = ("forkserver", "spawn")
@@ -130,6 +131,10 @@ def check_importable(fn: Any) -> None:
             f"fn {name} is defined inside another function (a nested function or closure): the "
             "ranks cannot import it by name. Define it at the top level of a module. "
             + _MODULE_FIX)
+    if module == "__main__" and main_guard.main_is_script():
+        # A script's function reaches the ranks as mp.spawn sends it: they re-run the script.
+        main_guard.check_guarded(f"fn {name}")
+        return
     if module in (None, "__main__", "__mp_main__", "builtins"):
         where = "in the notebook (module __main__)" if module != "builtins" else "as a builtin"
         raise LaunchRefused(f"fn {name} is defined {where}, so the ranks cannot import it. "
@@ -164,7 +169,9 @@ def check_sendable(value, what: str, plain_fix: str, main_fix: str) -> None:
         raise LaunchRefused(f"{what} cannot be pickled, so it cannot be sent to the ranks: "
                             f"{type(e).__name__}: {e}. {plain_fix}") from e
     main_refs = _main_globals(blob)
-    if main_refs:
+    if main_refs and main_guard.main_is_script():
+        main_guard.check_guarded(f"{what} refers to {', '.join(main_refs)}, which")
+    elif main_refs:
         raise LaunchRefused(f"{what} refers to {', '.join(main_refs)} from the notebook "
                             f"(__main__), which the ranks cannot import. {main_fix}")
 

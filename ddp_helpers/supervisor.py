@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as tmp
 
+from . import main_guard
 from ._rank import RankSpec, rank_entry
 from .errors import looks_like_peer_failure
 from .relay import OutputRelay
@@ -87,7 +88,8 @@ class RankSet:
         """Start every rank on `payload` (a pickled (fn, args)) with `env` as its environment."""
         _prepare_start_server(self.start_method)
         specs = self._pipes(payload, env)
-        with inherited_env(env if self.start_method == "spawn" else None):
+        with inherited_env(env if self.start_method == "spawn" else None), \
+                main_guard.main_hidden():
             self.context = tmp.start_processes(rank_entry, args=(specs,), nprocs=self.nprocs,
                                                join=False, start_method=self.start_method)
         for spec in specs:  # the ranks hold these now; our copies would hide EOF
