@@ -18,7 +18,7 @@ MIN_BIN := $(MIN_VENV)/bin
 MIN_STAMP := $(MIN_VENV)/.installed-stamp
 MIN_PINS = $(shell sed -nE 's/^ *"(torch|torchvision)>=([0-9.]+)",?$$/\1==\2/p' pyproject.toml)
 
-.PHONY: run test test-other-cpu test-fast test-min lint-workflow notebooks lab bench soak gpu-check clean
+.PHONY: run test test-other-cpu test-fast test-min lint-workflow notebooks lab kernel bench soak gpu-check clean
 
 PY_CHECK := import sys; sys.exit("Python 3.10 or newer is needed, this is " + sys.version.split()[0]) if sys.version_info < (3, 10) else None
 
@@ -99,8 +99,19 @@ notebooks: $(STAMP)
 	  $(NB_ENV) $(BIN)/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 "$$nb" || exit 1; \
 	done
 
+## JupyterLab on notebooks/, for root too (it passes --allow-root and says so). Without a display
+## it opens no browser and prints the URL with its token and the ssh line that tunnels to it.
+## PORT=8890 picks the port (default 8888 or the next free one); IP=0.0.0.0 listens on every
+## interface, where the token is then the only protection (it warns).
+PORT ?=
+IP ?= localhost
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/python -m ddp_helpers.lab serve --ip '$(IP)' $(if $(PORT),--port '$(PORT)')
+
+## Register .venv as the Jupyter kernel "ddp-kit" (in JUPYTER_DATA_DIR when set), to run the
+## lessons from VS Code, an existing JupyterLab or JupyterHub.
+kernel: $(STAMP)
+	$(BIN)/python -m ddp_helpers.lab kernel
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run_all
