@@ -70,7 +70,7 @@ test-other-cpu: $(STAMP)
 ## outputs come from the newest torch), docs, layout, hygiene, packaging, widgets and the slow
 ## end-to-end runs (torchrun nodes and restarts, the MNIST CLI), which keep .ci/run near 30 min.
 FLOOR_TESTS := tests/test_compat.py tests/test_runtime.py tests/test_timing.py tests/test_launch.py \
-	tests/test_ranks.py tests/test_data.py tests/test_mnist.py tests/test_nothing_lost.py \
+	tests/test_ranks.py tests/test_scripts.py tests/test_data.py tests/test_mnist.py tests/test_nothing_lost.py \
 	tests/test_lesson_*.py
 test-min: $(MIN_STAMP)
 	$(MIN_BIN)/python -c 'import torch, torchvision; print("test-min: torch", torch.__version__, "torchvision", torchvision.__version__)'

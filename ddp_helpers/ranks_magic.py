@@ -54,7 +54,7 @@ def _cell_parser() -> _Parser:
 
 def ranks_line(line: str) -> object:
     """%ranks start N | stop | restart | status."""
-    args = _start_parser().parse_args(shlex.split(line))
+    args = _start_parser().parse_args(shlex.split(line, comments=True))
     pool = current()
     if args.action == "start":
         n = _nprocs(args.nprocs)
@@ -78,7 +78,7 @@ def ranks_line(line: str) -> object:
 
 def ranks_cell(line: str, cell: str, user_ns: dict) -> None:
     """%%ranks: run the cell on the ranks, show each rank's value, bring --return names back."""
-    args = _cell_parser().parse_args(shlex.split(line))
+    args = _cell_parser().parse_args(shlex.split(line, comments=True))
     pool = current()
     if pool is None:
         raise LaunchRefused(f"%%ranks: no ranks are running. Start them first with "

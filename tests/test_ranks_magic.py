@@ -39,6 +39,12 @@ def test_return_brings_a_variable_back_as_a_rank_ordered_list(shell):
     assert shell.user_ns["rank"] == [0, 1]
 
 
+def test_a_comment_after_the_options_is_a_comment(shell):
+    assert run(shell, "%ranks start 2 --output none   # two ranks, quiet") is None
+    assert run(shell, "%%ranks --return w   # back as a list\nw = rank") is None
+    assert shell.user_ns["w"] == [0, 1]
+
+
 def test_targets_and_by_rank_output(shell, capsys):
     run(shell, "%ranks start 2 --output none")
     assert run(shell, "%%ranks --targets 1 --output by_rank\nprint('only me')") is None
