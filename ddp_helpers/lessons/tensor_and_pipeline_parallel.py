@@ -290,9 +290,9 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 def tp_memory(rank: int, world_size: int, device: torch.device) -> dict[str, dict[str, int]]:
     """Parameter bytes and the activation bytes saved for backward, for the unsplit block, the
     hand-split one and DTensor's, on this rank (batch BATCH)."""
-    x, dy = block_input()
+    x, dy = (t.to(device) for t in block_input())
     out = {}
-    block = mlp_block(0)
+    block = mlp_block(0).to(device)
     with SavedActivations(block.parameters()) as saved:
         y = block(x.requires_grad_(True))
     out["unsplit"] = {"parameters": param_bytes(block), "activations": saved.peak}
@@ -309,7 +309,7 @@ def tp_memory(rank: int, world_size: int, device: torch.device) -> dict[str, dic
     y.backward(dy)
     tp_block = parallel_block(device)
     with SavedActivations(tp_block.parameters()) as saved:
-        y = tp_block(x.to(device))
+        y = tp_block(x)
     out["DTensor"] = {"parameters": param_bytes(tp_block), "activations": saved.peak}
     return out
 
@@ -452,14 +452,14 @@ def run_stage(stage: nn.Module, order: list[tuple[str, int]], rank: int, world_s
             if first:
                 x = inputs[i]
             else:
-                x = torch.empty(inputs[i].shape)
+                x = torch.empty_like(inputs[i])  # an activation: the input's shape
                 dist.recv(x, src=rank - 1, tag=i)
                 x.requires_grad_(True)
-            start = time.perf_counter()
+            start = _now(x)
             out = stage(x)
             if last:
                 out = loss_of(out, targets[i], batch)
-            ran.append(("F", i, start, time.perf_counter()))
+            ran.append(("F", i, start, _now(out)))
             if not last:
                 sends.append(dist.isend(out.detach(), dst=rank + 1, tag=i))
             held[i] = (x, out)
@@ -467,11 +467,11 @@ def run_stage(stage: nn.Module, order: list[tuple[str, int]], rank: int, world_s
             x, out = held.pop(i)
             grad = None
             if not last:
-                grad = torch.empty(out.shape)
+                grad = torch.empty_like(out)
                 dist.recv(grad, src=rank + 1, tag=i)
-            start = time.perf_counter()
+            start = _now(out)
             out.backward(grad)
-            ran.append(("B", i, start, time.perf_counter()))
+            ran.append(("B", i, start, _now(out)))
             if not first:
                 sends.append(dist.isend(x.grad, dst=rank - 1, tag=i))
     for work in sends:
@@ -479,8 +479,16 @@ def run_stage(stage: nn.Module, order: list[tuple[str, int]], rank: int, world_s
     return ran
 
 
+def _now(t: torch.Tensor) -> float:
+    """perf_counter once the device has finished what was queued (a GPU runs asynchronously)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+    return time.perf_counter()
+
+
 def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: int,
-                 namespace: dict | None = None, timed: bool = False) -> dict:
+                 namespace: dict | None = None, timed: bool = False,
+                 device: torch.device | None = None) -> dict:
     """One training step of the pipeline model on `world_size` stages, in "gpipe" or "1f1b"
     order: what ran and when, the collectives, the peak activation bytes held, and whether this
     stage's gradients equal the unsplit model's on the same batch."""
@@ -490,9 +498,9 @@ def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: in
     orders = [order_of(s, world_size, num_microbatches) for s in range(world_size)]
     simulate(orders)  # refuses, on every rank alike, orders that are invalid or would deadlock
     model = pipeline_model(0, **kw)
-    stage = stage_of(model, rank, world_size)
+    stage = stage_of(model, rank, world_size).to(device)
     x, target = pipeline_batch(batch, **kw)
-    inputs, targets = x.tensor_split(num_microbatches), target.tensor_split(num_microbatches)
+    inputs, targets = (t.to(device).tensor_split(num_microbatches) for t in (x, target))
     log = CollectiveLog()
     with SavedActivations(stage.parameters()) as saved, log:
         ran = run_stage(stage, orders[rank], rank, world_size, inputs, targets, batch)
@@ -511,9 +519,10 @@ def _flat(tensors) -> torch.Tensor:
 
 
 def schedule_runs(rank: int, world_size: int, namespace: dict | None = None,
-                  microbatches: tuple[int, ...] = MICROBATCHES, timed: bool = True) -> list:
+                  microbatches: tuple[int, ...] = MICROBATCHES, timed: bool = True,
+                  device: torch.device | None = None) -> list:
     """run_pipeline for GPipe and 1F1B at each micro-batch count (the timed, wider model)."""
-    return [run_pipeline(s, m, rank, world_size, namespace, timed)
+    return [run_pipeline(s, m, rank, world_size, namespace, timed, device)
             for s in ("gpipe", "1f1b") for m in microbatches]
 
 
@@ -657,28 +666,28 @@ def describe_memory(tp: list[dict], pp: list[list[dict]], world_size: int) -> st
 
 
 def memory_runs(rank: int, world_size: int, namespace: dict | None = None,
-                num_microbatches: int = 4) -> list[dict]:
+                num_microbatches: int = 4, device: torch.device | None = None) -> list[dict]:
     """GPipe and 1F1B on the small model, for their peak activations."""
-    return [run_pipeline(s, num_microbatches, rank, world_size, namespace)
+    return [run_pipeline(s, num_microbatches, rank, world_size, namespace, device=device)
             for s in ("gpipe", "1f1b")]
 
 
 # ---------------------------------------------------------------- torch.distributed.pipelining
 
 
-def send_waits_for_recv(rank: int) -> str:
+def send_waits_for_recv(rank: int, device: torch.device | None = None) -> str:
     """Rank 0 starts an isend to rank 1 and looks whether it has finished while rank 1, held at
     a barrier until rank 0 has looked, has not yet posted its recv. Unfinished: a blocking send
     would wait there for its peer's recv, and two ranks that both send first would deadlock."""
     if rank == 0:
-        work = dist.isend(torch.ones(1), dst=1)
+        work = dist.isend(torch.ones(1, device=device), dst=1)
         time.sleep(0.2)  # room for a backend that sends eagerly to finish
         done = work.is_completed()
         dist.barrier()
         work.wait()
         return f"my send of 4 bytes finished before rank 1 posted its recv: {done}"
     dist.barrier()
-    dist.recv(torch.empty(1), src=0)
+    dist.recv(torch.empty(1, device=device), src=0)
     return "posted my recv only after the barrier"
 
 
@@ -756,17 +765,17 @@ def check_row_parallel(namespace: dict) -> list[Case]:
     """row_parallel_forward on this rank's columns: the whole output on every rank, and exactly
     one all-reduce of the output's bytes, counted where torch dispatches collectives."""
     fn = require(namespace, "row_parallel_forward")
-    rank, world_size = namespace["rank"], namespace["world_size"]
+    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
     cases: list[Case] = []
     for batch, hidden, out in ROW_CASES:
         g = torch.Generator().manual_seed(100 + hidden)
         h, w, b = (torch.randn(*shape, generator=g) for shape in
                    ((batch, hidden), (out, hidden), (out,)))
-        shards = [t.tensor_split(world_size, dim=1)[rank].clone() for t in (h, w)]
+        shards = [t.tensor_split(world_size, dim=1)[rank].clone().to(device) for t in (h, w)]
         label = f"batch {batch}, {hidden} hidden features over {world_size} ranks"
         log = CollectiveLog()
         with log:
-            y = fn(*shards, b.clone())
+            y = fn(*shards, b.clone().to(device))
         cases.append(case(f"{label}: the output", y, h @ w.T + b, RTOL, ATOL))
         want = {"all_reduce": (1, batch * out * 4)}
         got = log.summary()
@@ -807,8 +816,8 @@ def check_one_f_one_b(namespace: dict) -> list[Case]:
                               f"got {got!r}, expected a list like {want[:3]}"))
     if not all(c.ok for c in cases):
         return cases  # never run an order that could deadlock the ranks
-    rank, world_size = namespace["rank"], namespace["world_size"]
-    run = run_pipeline("1f1b", 3, rank, world_size, {"one_f_one_b": fn})
+    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    run = run_pipeline("1f1b", 3, rank, world_size, {"one_f_one_b": fn}, device=device)
     cases.append(Case(f"a step on {world_size} ranks, 3 micro-batches of 6, 5, 5: gradients "
                       "equal the unsplit model's", run["grads_equal"],
                       "" if run["grads_equal"] else "they differ"))
