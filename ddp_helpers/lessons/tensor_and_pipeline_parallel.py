@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checks import Case, case
@@ -64,8 +65,6 @@ class CollectiveLog(TorchDispatchMode):
         self.calls: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **(kwargs or {}))  # no schema, and never a collective
         if any(issubclass(t, DTensor) for t in types):
