@@ -418,3 +418,10 @@ def test_saved_activations_are_counted_once_and_released():
     assert saved.peak == saved.live == 4 * 4 * lesson.WIDTH * (lesson.BLOCKS + 1)
     out.backward()
     assert saved.live == 0
+
+
+def test_a_gloo_send_waits_for_the_matching_recv(pool):
+    # rank 1 is held at a barrier until rank 0 has looked, so its recv cannot come earlier
+    assert pool.run("lesson.send_waits_for_recv(rank)") == [
+        "my send of 4 bytes finished before rank 1 posted its recv: False",
+        "posted my recv only after the barrier"]
