@@ -49,13 +49,15 @@ SYNC = "06_gradient_sync_effects.ipynb"
 RANKS = "03_ddp_wrapping.ipynb"
 SCRATCH = "09_ddp_from_scratch.ipynb"
 AFTER_DDP = "10_sharding_and_compression.ipynb"
+SPLIT = "11_tensor_and_pipeline_parallel.ipynb"
 # 00's and 06's launching cells relay one line, from rank 0: dh.process_group says there which
 # backend it chose (the other ranks stay quiet).
 EXPECT = {SETUP: Expect(ranks=(0,), min_images=0),
           SYNC: Expect(ranks=(0,), min_images=1),
           RANKS: Expect(ranks=(0, 1), min_images=1, marker="%%ranks"),
           SCRATCH: Expect(ranks=(0, 1), min_images=3, marker="%%ranks"),
-          AFTER_DDP: Expect(ranks=(0, 1), min_images=3, marker="%%ranks")}
+          AFTER_DDP: Expect(ranks=(0, 1), min_images=3, marker="%%ranks"),
+          SPLIT: Expect(ranks=(0, 1), min_images=2, marker="%%ranks")}
 PANEL_SLIDER = "steps"  # the panel's slider the test moves
 
 
@@ -176,7 +178,7 @@ def test_gradient_sync_panel_reruns_and_redraws(notebook):
     assert not errors, f"the rerun after moving {PANEL_SLIDER!r} showed errors: {errors}"
 
 
-@pytest.mark.parametrize("notebook", [RANKS, SCRATCH, AFTER_DDP], indirect=True)
+@pytest.mark.parametrize("notebook", [RANKS, SCRATCH, AFTER_DDP, SPLIT], indirect=True)
 def test_ranks_lesson_shows_every_rank_and_plots_what_came_back(notebook):
     run_all_and_check(notebook, EXPECT[notebook.name])
     index, name = _first_plot_of_returned_data(notebook.cells)

@@ -1,0 +1,849 @@
+"""Lesson 11: a model split across ranks, two ways, built from the primitives on CPU ranks.
+
+Tensor parallelism splits each layer: Megatron-LM's MLP block, the first Linear by columns and
+the second by rows, so that one all-reduce in forward and one in backward are all it sends; by
+hand, then with DTensor's `parallelize_module`. Pipeline parallelism splits the layers into
+stages that pass micro-batches with send/recv, in GPipe's order and in 1F1B's. Every function
+here runs on a rank (`%%ranks`) and returns plain records for the parent to print and plot;
+`CollectiveLog` counts collectives at torch's dispatch level, so any way of calling them counts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..checks import Case, case
+from ..exercises import NotAttempted, exercise_check, require, solution_module
+
+D, HIDDEN, BATCH = 16, 64, 8  # the MLP block: Linear(16, 64) -> GELU -> Linear(64, 16)
+RTOL, ATOL = 1e-5, 1e-6  # float32 sums taken in another order: a few ulps apart at most
+WIDTH, BLOCKS, PIPE_BATCH = 64, 6, 16  # the pipeline's model: 6 x (Linear(64, 64) + Tanh)
+TIMED = {"width": 512, "batch": 128}  # for the timelines: compute well above a send's cost
+MICROBATCHES = (1, 2, 4, 8)
+
+
+# ---------------------------------------------------------------- counting collectives
+
+_NAMES = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+          "allgather_": "all_gather", "_allgather_base_": "all_gather",
+          "all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+          "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+          "reduce_scatter_tensor": "reduce_scatter", "broadcast_": "broadcast",
+          "broadcast": "broadcast", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
+          "all_to_all_single": "all_to_all", "send": "send", "recv_": "recv",
+          "recv_any_source_": "recv", "reduce_": "reduce", "gather_": "gather",
+          "scatter_": "scatter", "barrier": "barrier"}
+_INPUT_SECOND = {"allgather_", "_allgather_base_", "reduce_scatter_", "_reduce_scatter_base_",
+                 "allgather_into_tensor_coalesced_", "alltoall_", "alltoall_base_", "scatter_"}
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Record every collective and send/recv this rank calls, as (op, bytes), where torch
+    dispatches the c10d and functional-collective ops: `dist.all_reduce`, an alias of it, DTensor
+    and `torch.distributed.pipelining` all end there. Bytes: the tensor this rank hands in (for
+    all_gather and reduce_scatter, its own input), not what the backend's algorithm moves."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))  # no schema, and never a collective
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn itself into collectives first
+        namespace, _, name = func._schema.name.partition("::")
+        if namespace in ("c10d", "_c10d_functional") and name in _NAMES:
+            given = args[1] if name in _INPUT_SECOND and namespace == "c10d" else args[0]
+            self.calls.append((_NAMES[name], sum(t.numel() * t.element_size()
+                                                 for t in _tensors(given))))
+        return func(*args, **(kwargs or {}))
+
+    def summary(self) -> dict[str, tuple[int, int]]:
+        """{op: (calls, bytes)}, ops in alphabetical order."""
+        out: dict[str, tuple[int, int]] = {}
+        for op, n in self.calls:
+            calls, size = out.get(op, (0, 0))
+            out[op] = (calls + 1, size + n)
+        return dict(sorted(out.items()))
+
+    def text(self) -> str:
+        """e.g. "all_reduce x1 (512 B)"; "none" if nothing was called."""
+        return ", ".join(f"{op} x{c} ({b:,} B)" for op, (c, b) in self.summary().items()) or "none"
+
+
+# ---------------------------------------------------------------- tensor parallel by hand
+
+
+def mlp_block(seed: int = 0, d: int = D, hidden: int = HIDDEN) -> nn.Sequential:
+    """Linear(d, hidden) -> GELU -> Linear(hidden, d), a transformer's MLP; weights from seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+
+
+def block_input(seed: int = 1, batch: int = BATCH, d: int = D) -> tuple[torch.Tensor, ...]:
+    """The block's input x and the gradient dy that flows back into its output (as if from a
+    loss); both depend only on `seed`, so every rank makes the same."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+
+
+class CopyToRanks(torch.autograd.Function):
+    """Megatron's f: the identity in forward; in backward, the sum over the ranks of the
+    gradient, since each rank's half of the block sends back only its part of dL/dx."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class SumOverRanks(torch.autograd.Function):
+    """Megatron's g: the sum over the ranks in forward; the identity in backward (each rank
+    holds the whole output, so each already has the whole dL/dy)."""
+
+    @staticmethod
+    def forward(ctx, partial):
+        total = partial.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def copy_to_ranks(x: torch.Tensor) -> torch.Tensor:
+    """f: x unchanged; its gradient all-reduced in backward."""
+    return CopyToRanks.apply(x)
+
+
+def sum_over_ranks(partial: torch.Tensor) -> torch.Tensor:
+    """g: the all-reduced sum of every rank's partial; the gradient passed through."""
+    return SumOverRanks.apply(partial)
+
+
+def unsplit(seed: int = 0) -> dict[str, torch.Tensor]:
+    """The reference: the whole block on one rank, its output and every gradient."""
+    block = mlp_block(seed)
+    x, dy = block_input()
+    x.requires_grad_(True)
+    y = block(x)
+    y.backward(dy)
+    return {"y": y.detach(), "x": x.grad, "w1": block[0].weight.grad, "b1": block[0].bias.grad,
+            "w2": block[2].weight.grad, "b2": block[2].bias.grad}
+
+
+def split_like_megatron(full: dict[str, torch.Tensor], rank: int,
+                        world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's share of each tensor of `unsplit()`: rows of W1 and b1 (the first layer's
+    output features), columns of W2; x, y and b2 whole."""
+    mine = dict(full)
+    for key, dim in (("w1", 0), ("b1", 0), ("w2", 1)):
+        mine[key] = full[key].chunk(world_size, dim=dim)[rank]
+    return mine
+
+
+def compare_with_unsplit(got: dict[str, torch.Tensor], rank: int, world_size: int,
+                         seed: int = 0) -> str:
+    """One line per tensor: is this rank's output or gradient (a DTensor: its local shard)
+    equal to the unsplit block's share, within RTOL and ATOL?"""
+    want = split_like_megatron(unsplit(seed), rank, world_size)
+    lines = []
+    for key, value in got.items():
+        value = value.to_local() if hasattr(value, "to_local") else value
+        ok = case(key, value, want[key], RTOL, ATOL).ok
+        lines.append(f"{key}: equal within rtol={RTOL:g}, atol={ATOL:g}: {ok}")
+    return "; ".join(lines)
+
+
+@torch.no_grad()
+def rows_first_forward(block: nn.Sequential, x: torch.Tensor, rank: int,
+                       world_size: int) -> torch.Tensor:
+    """The other split: W1 by rows of A = W1ᵀ (its input features), W2 by columns. GELU needs
+    the whole pre-activation, so the first layer's partial sums are all-reduced before it, and
+    the second layer leaves each rank a slice of the output, which must be all-gathered."""
+    w1 = block[0].weight.chunk(world_size, dim=1)[rank]  # my input features of layer 1
+    x_mine = x.chunk(world_size, dim=1)[rank]  # ... and the same columns of x (no message)
+    pre = x_mine @ w1.T
+    dist.all_reduce(pre)  # the whole (batch x hidden) pre-activation: 4x the output's bytes
+    h = F.gelu(pre + block[0].bias)
+    w2 = block[2].weight.chunk(world_size, dim=0)[rank]  # my output features of layer 2
+    y_mine = h @ w2.T + block[2].bias.chunk(world_size)[rank]
+    pieces = [torch.empty_like(y_mine) for _ in range(world_size)]
+    dist.all_gather(pieces, y_mine)
+    return torch.cat(pieces, dim=1)
+
+
+# ---------------------------------------------------------------- tensor parallel with DTensor
+
+
+def parallel_block(device: torch.device, seed: int = 0) -> nn.Module:
+    """The same block through DTensor: ColwiseParallel on the first Linear, RowwiseParallel on
+    the second, on a one-dimensional mesh of every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    return parallelize_module(mlp_block(seed).to(device), mesh,
+                              {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def describe_parameter(p) -> str:
+    """A DTensor parameter in one line: global shape, placements, this rank's local shape."""
+    return (f"{type(p).__name__}: global {tuple(p.shape)}, placements {p.placements}, "
+            f"local shard {tuple(p.to_local().shape)}")
+
+
+# ---------------------------------------------------------------- memory
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a DTensor's local shard only)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+               for p in module.parameters())
+
+
+class SavedActivations:
+    """Count the bytes autograd saves for backward, while they are held: the live total and its
+    peak. Parameters saved (a Linear keeps its weight) are not activations and are skipped; a
+    storage saved twice (one layer's output is the next one's input) counts once."""
+
+    def __init__(self, params=()):
+        self._skip = {_storage(p) for p in params}
+        self._held: dict[tuple, list] = {}  # storage -> [bytes, references]
+        self.live = self.peak = 0
+
+    def _pack(self, t: torch.Tensor):
+        key = _storage(t)
+        if key in self._skip:
+            return t
+        local = getattr(t, "_local_tensor", t)
+        entry = self._held.setdefault(key, [local.numel() * local.element_size(), 0])
+        if entry[1] == 0:
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        return _Held(t, self, key)
+
+    def _release(self, key: tuple) -> None:
+        entry = self._held[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self._held[key]
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            self._pack, lambda h: h.tensor if isinstance(h, _Held) else h)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    """A saved tensor; when autograd frees it (after its backward), the count drops."""
+
+    def __init__(self, tensor, counter: SavedActivations, key: tuple):
+        self.tensor, self._counter, self._key = tensor, counter, key
+
+    def __del__(self):
+        self._counter._release(self._key)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """Where a saved tensor's data starts and how many elements: a layer's output saved again
+    as the next layer's input is the same; two slices of one batch are not."""
+    local = getattr(t, "_local_tensor", t)
+    return local.data_ptr(), local.numel()
+
+
+def tp_memory(rank: int, world_size: int, device: torch.device) -> dict[str, dict[str, int]]:
+    """Parameter bytes and the activation bytes saved for backward, for the unsplit block, the
+    hand-split one and DTensor's, on this rank (batch BATCH)."""
+    x, dy = (t.to(device) for t in block_input())
+    out = {}
+    block = mlp_block(0).to(device)
+    with SavedActivations(block.parameters()) as saved:
+        y = block(x.requires_grad_(True))
+    out["unsplit"] = {"parameters": param_bytes(block), "activations": saved.peak}
+    y.backward(dy)
+    w1, b1 = (t.chunk(world_size)[rank].clone().requires_grad_() for t in
+              (block[0].weight.detach(), block[0].bias.detach()))
+    w2 = block[2].weight.detach().chunk(world_size, dim=1)[rank].clone().requires_grad_()
+    b2 = block[2].bias.detach().clone().requires_grad_()
+    with SavedActivations([w1, b1, w2, b2]) as saved:
+        h = F.gelu(F.linear(copy_to_ranks(x), w1, b1))
+        y = sum_over_ranks(F.linear(h, w2)) + b2
+    out["by hand"] = {"parameters": sum(t.numel() * 4 for t in (w1, b1, w2, b2)),
+                      "activations": saved.peak}
+    y.backward(dy)
+    tp_block = parallel_block(device)
+    with SavedActivations(tp_block.parameters()) as saved:
+        y = tp_block(x)
+    out["DTensor"] = {"parameters": param_bytes(tp_block), "activations": saved.peak}
+    return out
+
+
+def tp_formulas(world_size: int, batch: int = BATCH, d: int = D,
+                hidden: int = HIDDEN) -> dict[str, dict[str, int]]:
+    """fp32 bytes: parameters 2·d·h + h + d unsplit, (2·d·h + h)/N + d per rank (b2 whole);
+    activations x (b·d, on every rank), the pre-activation and the GELU's output (b·h each,
+    split over the N ranks)."""
+    n = world_size
+    return {"unsplit": {"parameters": 4 * (2 * d * hidden + hidden + d),
+                        "activations": 4 * (batch * d + 2 * batch * hidden)},
+            "split": {"parameters": 4 * ((2 * d * hidden + hidden) // n + d),
+                      "activations": 4 * (batch * d + 2 * batch * hidden // n)}}
+
+
+# ---------------------------------------------------------------- pipeline parallel
+
+
+def pipeline_model(seed: int = 0, width: int = WIDTH, blocks: int = BLOCKS) -> nn.Sequential:
+    """`blocks` x (Linear(width, width) + Tanh): a model to cut into consecutive stages."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                           for _ in range(blocks)])
+
+
+def stage_of(model: nn.Sequential, stage: int, num_stages: int) -> nn.Sequential:
+    """Stage `stage`'s consecutive blocks (6 blocks: 3 + 3 on two stages, 2 + 2 + 2 on three)."""
+    index = torch.arange(len(model)).tensor_split(num_stages)[stage]
+    return nn.Sequential(*[model[int(i)] for i in index])
+
+
+def pipeline_batch(batch: int = PIPE_BATCH, width: int = WIDTH) -> tuple[torch.Tensor, ...]:
+    """The step's whole batch and its targets (every rank can make them: a fixed seed)."""
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+
+
+def loss_of(out: torch.Tensor, target: torch.Tensor, batch: int) -> torch.Tensor:
+    """Squared error summed over features, averaged over the whole batch: a micro-batch's share
+    of the batch's loss, so that the micro-batches' gradients add up to the batch's."""
+    return ((out - target) ** 2).sum() / batch
+
+
+def gpipe(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """GPipe's order on every stage: every forward, then every backward."""
+    return ([("F", i) for i in range(num_microbatches)] +
+            [("B", i) for i in range(num_microbatches)])
+
+
+def simulate(orders: list[list[tuple[str, int]]]) -> list[list[tuple[str, int, int]]]:
+    """Each stage's ops with the slot each starts in, if every forward and every backward takes
+    one slot: an op starts once the stage is free and its input has arrived (a forward needs the
+    previous stage's forward of that micro-batch, a backward the next stage's backward). Raises
+    ValueError, naming the stage and op, if the orders are not a valid schedule or deadlock."""
+    p = len(orders)
+    for s, order in enumerate(orders):
+        _check_order(order, s)
+    end: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> slot it ends in
+    nxt, free = [0] * p, [0] * p
+    out: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                kind, i = orders[s][nxt[s]]
+                needs = [("F", s - 1, i)] if kind == "F" and s > 0 else []
+                needs += [("B", s + 1, i)] if kind == "B" and s < p - 1 else []
+                needs += [("F", s, i)] if kind == "B" else []
+                if any(n not in end for n in needs):
+                    break
+                start = max([free[s]] + [end[n] for n in needs])
+                out[s].append((kind, i, start))
+                end[(kind, s, i)] = free[s] = start + 1
+                nxt[s] += 1
+                moved = True
+        if not moved:
+            waits = [f"stage {s} at {orders[s][nxt[s]]}" for s in range(p)
+                     if nxt[s] < len(orders[s])]
+            raise ValueError(f"the orders deadlock: {', '.join(waits)} each wait for another")
+    return out
+
+
+def _check_order(order, stage: int) -> None:
+    if not isinstance(order, (list, tuple)):
+        raise ValueError(f"stage {stage}: the order is {type(order).__name__}, expected a list "
+                         "of ('F', i) and ('B', i)")
+    seen = set()
+    for op in order:
+        if (not isinstance(op, (list, tuple)) or len(op) != 2 or op[0] not in ("F", "B")
+                or tuple(op) in seen):
+            raise ValueError(f"stage {stage}: {op!r} is not a new ('F', i) or ('B', i)")
+        if op[0] == "B" and ("F", op[1]) not in seen:
+            raise ValueError(f"stage {stage}: ('B', {op[1]}) comes before ('F', {op[1]})")
+        seen.add(tuple(op))
+    fwd = sorted(i for k, i in seen if k == "F")
+    if sorted(i for k, i in seen if k == "B") != fwd or fwd != list(range(len(fwd))):
+        raise ValueError(f"stage {stage}: every micro-batch 0..m-1 needs one F and one B")
+
+
+def bubble_from_slots(slots: list[list[tuple[str, int, int]]]) -> float:
+    """The idle fraction of the pipeline's span, over all stages: 1 - busy slots / (p x span)."""
+    span = max(start + 1 for ops in slots for _, _, start in ops)
+    busy = sum(len(ops) for ops in slots)
+    return 1 - busy / (len(slots) * span)
+
+
+def peak_in_flight(order: list[tuple[str, int]]) -> int:
+    """The most micro-batches whose forward ran and backward has not, at any point: each one's
+    activations are held until its backward."""
+    held = peak = 0
+    for kind, _ in order:
+        held += 1 if kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def _order_function(name: str, namespace: dict | None) -> tuple[Callable, str]:
+    """gpipe, or 1F1B from the learner's one_f_one_b where written, else the kit's solution."""
+    if name == "gpipe":
+        return gpipe, "GPipe"
+    try:
+        return require(namespace or {}, "one_f_one_b"), "1F1B (yours)"
+    except NotAttempted:
+        return solution_module("one_f_one_b").one_f_one_b, "1F1B (the kit's solution)"
+
+
+def run_stage(stage: nn.Module, order: list[tuple[str, int]], rank: int, world_size: int,
+              inputs: list[torch.Tensor], targets: list[torch.Tensor], batch: int) -> list:
+    """Run this rank's stage over the micro-batches in `order`: a forward receives its input
+    from the previous rank (the first stage reads `inputs`) and sends its output on; a backward
+    receives the gradient of that output from the next rank (the last stage starts from the
+    loss) and sends its input's gradient back. Sends are isend, so a rank never waits for its
+    peer to reach the matching recv; tags are micro-batch numbers. Returns what ran, with
+    times: [(kind, micro-batch, start s, end s)]."""
+    first, last = rank == 0, rank == world_size - 1
+    held, sends, ran = {}, [], []
+    for kind, i in order:
+        if kind == "F":
+            if first:
+                x = inputs[i]
+            else:
+                x = torch.empty_like(inputs[i])  # an activation: the input's shape
+                dist.recv(x, src=rank - 1, tag=i)
+                x.requires_grad_(True)
+            start = _now(x)
+            out = stage(x)
+            if last:
+                out = loss_of(out, targets[i], batch)
+            ran.append(("F", i, start, _now(out)))
+            if not last:
+                sends.append(dist.isend(out.detach(), dst=rank + 1, tag=i))
+            held[i] = (x, out)
+        else:
+            x, out = held.pop(i)
+            grad = None
+            if not last:
+                grad = torch.empty_like(out)
+                dist.recv(grad, src=rank + 1, tag=i)
+            start = _now(out)
+            out.backward(grad)
+            ran.append(("B", i, start, _now(out)))
+            if not first:
+                sends.append(dist.isend(x.grad, dst=rank - 1, tag=i))
+    for work in sends:
+        work.wait()
+    return ran
+
+
+def _now(t: torch.Tensor) -> float:
+    """perf_counter once the device has finished what was queued (a GPU runs asynchronously)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+    return time.perf_counter()
+
+
+def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: int,
+                 namespace: dict | None = None, timed: bool = False,
+                 device: torch.device | None = None) -> dict:
+    """One training step of the pipeline model on `world_size` stages, in "gpipe" or "1f1b"
+    order: what ran and when, the collectives, the peak activation bytes held, and whether this
+    stage's gradients equal the unsplit model's on the same batch."""
+    kw = {"width": TIMED["width"]} if timed else {}
+    batch = TIMED["batch"] if timed else PIPE_BATCH
+    order_of, source = _order_function(schedule, namespace)
+    orders = [order_of(s, world_size, num_microbatches) for s in range(world_size)]
+    simulate(orders)  # refuses, on every rank alike, orders that are invalid or would deadlock
+    model = pipeline_model(0, **kw)
+    stage = stage_of(model, rank, world_size).to(device)
+    x, target = pipeline_batch(batch, **kw)
+    inputs, targets = (t.to(device).tensor_split(num_microbatches) for t in (x, target))
+    log = CollectiveLog()
+    with SavedActivations(stage.parameters()) as saved, log:
+        ran = run_stage(stage, orders[rank], rank, world_size, inputs, targets, batch)
+    mine = [p.grad for p in stage.parameters()]
+    whole = pipeline_model(0, **kw)
+    loss_of(whole(x), target, batch).backward()
+    want = [p.grad for p in stage_of(whole, rank, world_size).parameters()]
+    return {"schedule": source, "m": num_microbatches, "ran": ran,
+            "order": [(k, i) for k, i, _, _ in ran], "collectives": log.summary(),
+            "peak_activations": saved.peak, "parameters": param_bytes(stage),
+            "grads_equal": case("gradients", _flat(mine), _flat(want), RTOL, ATOL).ok}
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def schedule_runs(rank: int, world_size: int, namespace: dict | None = None,
+                  microbatches: tuple[int, ...] = MICROBATCHES, timed: bool = True,
+                  device: torch.device | None = None) -> list:
+    """run_pipeline for GPipe and 1F1B at each micro-batch count (the timed, wider model)."""
+    return [run_pipeline(s, m, rank, world_size, namespace, timed, device)
+            for s in ("gpipe", "1f1b") for m in microbatches]
+
+
+def slots_of(per_rank: list[dict]) -> list[list[tuple[str, int, int]]]:
+    """The slot each op started in, from the order each rank actually ran them in."""
+    return simulate([r["order"] for r in per_rank])
+
+
+def wall_bubble(per_rank: list[dict]) -> float:
+    """The idle fraction measured in wall time: 1 - compute time / (ranks x the step's span
+    from the first forward's start to the last backward's end), one machine's clock."""
+    start = min(t for r in per_rank for _, _, t, _ in r["ran"])
+    end = max(t for r in per_rank for _, _, _, t in r["ran"])
+    busy = sum(b - a for r in per_rank for _, _, a, b in r["ran"])
+    return 1 - busy / (len(per_rank) * (end - start))
+
+
+def by_run(runs: list[list[dict]]) -> list[list[dict]]:
+    """Per-rank lists of runs (what --return brings) as per-run lists of ranks."""
+    return [list(ranks) for ranks in zip(*runs)]
+
+
+def describe_runs(runs: list[list[dict]]) -> str:
+    """Per schedule and micro-batch count: gradients against the unsplit model on every rank,
+    what rank 0 sent and received, its peak in flight, and the bubble counted in slots."""
+    lines = [f"{'schedule':<28}{'m':>3}  grads equal  rank 0 sent / received"
+             "          in flight (rank 0)  bubble in slots"]
+    for per_rank in by_run(runs):
+        first = per_rank[0]
+        sent = first["collectives"].get("send", (0, 0))
+        got = first["collectives"].get("recv", (0, 0))
+        ok = "yes" if all(r["grads_equal"] for r in per_rank) else "NO"
+        lines.append(f"{first['schedule']:<28}{first['m']:>3}  {ok:<11}  "
+                     f"{sent[0]:>2} x send, {got[0]:>2} x recv, {sent[1] + got[1]:>9,} B  "
+                     f"{peak_in_flight(first['order']):>9}           "
+                     f"{bubble_from_slots(slots_of(per_rank)):.3f}")
+    return "\n".join(lines)
+
+
+def describe_wall_bubble(runs: list[list[dict]]) -> str:
+    """The bubble in wall time beside the one in slots (not reproducible: a measurement)."""
+    lines = [f"{'schedule':<28}{'m':>3}  in slots  in wall time"]
+    for per_rank in by_run(runs):
+        lines.append(f"{per_rank[0]['schedule']:<28}{per_rank[0]['m']:>3}  "
+                     f"{bubble_from_slots(slots_of(per_rank)):>8.3f}  "
+                     f"{wall_bubble(per_rank):>12.3f}")
+    ratios = []
+    for rank in range(len(runs)):
+        ops = [op for per_rank in by_run(runs) for op in per_rank[rank]["ran"]]
+        f, b = ([t1 - t0 for k, _, t0, t1 in ops if k == kind] for kind in "FB")
+        ratios.append(f"rank {rank} {statistics.median(b) / statistics.median(f):.1f}")
+    lines.append("a backward's time over a forward's (medians over every run): "
+                 + ", ".join(ratios))
+    return "\n".join(lines)
+
+
+def describe_ran(runs: list[list[dict]]) -> str:
+    """What is deterministic about the timed runs: each rank ran one forward and one backward
+    of every micro-batch, and its gradients equal the unsplit model's."""
+    ok = all(sorted(r["order"]) == sorted(gpipe(0, 1, r["m"])) and r["grads_equal"]
+             for per_rank in by_run(runs) for r in per_rank)
+    return (f"{len(by_run(runs))} timed runs on {len(runs)} ranks; every rank ran one forward "
+            f"and one backward of each micro-batch, with the unsplit model's gradients: "
+            f"{'yes' if ok else 'NO'}")
+
+
+def predicted_bubbles(fn: Callable | None, runs: list[list[dict]]) -> str:
+    """The learner's bubble_fraction(p, m) beside the bubble counted in slots, if written."""
+    try:
+        fn = require({"bubble_fraction": fn}, "bubble_fraction")
+    except NotAttempted as e:
+        return f"no prediction yet: {e}"
+    lines = []
+    for per_rank in by_run(runs):
+        p, m = len(per_rank), per_rank[0]["m"]
+        lines.append(f"{per_rank[0]['schedule']:<28} p={p} m={m}: counted "
+                     f"{bubble_from_slots(slots_of(per_rank)):.3f}, yours {float(fn(p, m)):.3f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- memory of the pipeline
+
+
+def pp_formulas(world_size: int, num_microbatches: int, width: int = WIDTH,
+                blocks: int = BLOCKS, batch: int = PIPE_BATCH) -> list[dict[str, dict]]:
+    """fp32 bytes per stage: parameters, the stage's share of the blocks; activations saved for
+    one micro-batch of b = batch/m samples, the stage's input and each block's output (b·W
+    each; the last stage's loss keeps one more), times the micro-batches in flight: m for GPipe,
+    min(p - s, m) for 1F1B."""
+    per_block = 4 * (width * width + width)
+    sizes = [len(t) for t in torch.arange(blocks).tensor_split(world_size)]
+    b = batch // num_microbatches
+    out = []
+    for s, n in enumerate(sizes):
+        one = 4 * b * width * (n + 1 + (s == world_size - 1))
+        out.append({"parameters": n * per_block,
+                    "gpipe": num_microbatches * one,
+                    "1f1b": min(world_size - s, num_microbatches) * one})
+    return out
+
+
+def unsplit_pipeline_memory(width: int = WIDTH, blocks: int = BLOCKS,
+                            batch: int = PIPE_BATCH) -> dict[str, int]:
+    """The whole model on one rank, one batch: its parameters and the activations it saves."""
+    model = pipeline_model(0, width, blocks)
+    x, target = pipeline_batch(batch, width)
+    with SavedActivations(model.parameters()) as saved:
+        loss = loss_of(model(x), target, batch)
+    loss.backward()
+    return {"parameters": param_bytes(model), "activations": saved.peak}
+
+
+def describe_memory(tp: list[dict], pp: list[list[dict]], world_size: int) -> str:
+    """KiB per rank for TP (unsplit, by hand, DTensor) and PP (GPipe, 1F1B, the small model
+    with m = 4), measured, with the formula in brackets."""
+    kib = lambda n: f"{n / 1024:.2f}"  # noqa: E731
+    tpf = tp_formulas(world_size)
+    lines = [f"tensor parallel, the MLP block, batch {BATCH}, {world_size} ranks: KiB per rank "
+             "(formula in brackets)"]
+    for kind, mem in tp[0].items():
+        want = tpf["unsplit" if kind == "unsplit" else "split"]
+        same = all(r[kind] == mem for r in tp)
+        lines.append(f"  {kind:<9} parameters {kib(mem['parameters'])} [{kib(want['parameters'])}]"
+                     f"  activations {kib(mem['activations'])} [{kib(want['activations'])}]"
+                     f"  (every rank the same: {'yes' if same else 'NO'})")
+    whole = unsplit_pipeline_memory()
+    runs = {r[0]["schedule"].split(" ")[0]: r for r in by_run(pp)}
+    m = next(iter(runs.values()))[0]["m"]
+    ppf = pp_formulas(world_size, m)
+    lines.append(f"pipeline parallel, {BLOCKS} blocks of width {WIDTH}, batch {PIPE_BATCH}, "
+                 f"m = {m}: KiB per rank (formula in brackets)")
+    lines.append(f"  unsplit   parameters {kib(whole['parameters'])}  activations "
+                 f"{kib(whole['activations'])}")
+    for s in range(world_size):
+        g, f = runs["GPipe"][s], runs["1F1B"][s]
+        lines.append(f"  stage {s}   parameters {kib(g['parameters'])} "
+                     f"[{kib(ppf[s]['parameters'])}]"
+                     f"  activations GPipe {kib(g['peak_activations'])} [{kib(ppf[s]['gpipe'])}]"
+                     f", 1F1B {kib(f['peak_activations'])} [{kib(ppf[s]['1f1b'])}]")
+    return "\n".join(lines)
+
+
+def memory_runs(rank: int, world_size: int, namespace: dict | None = None,
+                num_microbatches: int = 4, device: torch.device | None = None) -> list[dict]:
+    """GPipe and 1F1B on the small model, for their peak activations."""
+    return [run_pipeline(s, num_microbatches, rank, world_size, namespace, device=device)
+            for s in ("gpipe", "1f1b")]
+
+
+# ---------------------------------------------------------------- torch.distributed.pipelining
+
+
+def send_waits_for_recv(rank: int, device: torch.device | None = None) -> str:
+    """Rank 0 starts an isend to rank 1 and looks whether it has finished while rank 1, held at
+    a barrier until rank 0 has looked, has not yet posted its recv. Unfinished: a blocking send
+    would wait there for its peer's recv, and two ranks that both send first would deadlock."""
+    if rank == 0:
+        work = dist.isend(torch.ones(1, device=device), dst=1)
+        time.sleep(0.2)  # room for a backend that sends eagerly to finish
+        done = work.is_completed()
+        dist.barrier()
+        work.wait()
+        return f"my send of 4 bytes finished before rank 1 posted its recv: {done}"
+    dist.barrier()
+    dist.recv(torch.empty(1, device=device), src=0)
+    return "posted my recv only after the barrier"
+
+
+def pipelining_status() -> str:
+    """"runs" if this torch's torch.distributed.pipelining can run on gloo without the known
+    hang; else why not. Before pytorch#152938 (2025), its schedules waited on one Work of
+    batch_isend_irecv's list, which holds one Work per op on gloo (one in all on NCCL), so a
+    rank could go on before its sends and receives were done and hang (pytorch#132644); the fix
+    added `_wait_batch_p2p`, which waits on every one, and that is what is checked for."""
+    try:
+        from torch.distributed.pipelining import schedules
+    except ImportError:
+        return "this torch has no torch.distributed.pipelining"
+    if not hasattr(schedules, "_wait_batch_p2p"):
+        return ("this torch's pipelining waits on one Work of several on gloo and can hang "
+                "(pytorch#132644): not run here")
+    return "runs"
+
+
+def torch_gpipe(rank: int, world_size: int, device: torch.device,
+                num_microbatches: int = 4) -> dict:
+    """One step of the same pipeline with torch.distributed.pipelining's ScheduleGPipe: the
+    collectives it issued, and whether this stage's gradients equal the unsplit model's."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    stage_module = stage_of(pipeline_model(0), rank, world_size).to(device)
+    stage = PipelineStage(stage_module, rank, world_size, device)
+    # pipelining averages the micro-batches' gradients (scale_grads=True): a micro-batch's loss
+    # is then its own mean, and their mean is the batch's
+    schedule = ScheduleGPipe(stage, num_microbatches,
+                             loss_fn=lambda out, t: loss_of(out, t, out.shape[0]))
+    x, target = pipeline_batch()
+    logs = [CollectiveLog(), CollectiveLog()]
+    for log in logs:  # the first step also sends each stage's output shapes, once
+        stage_module.zero_grad()
+        with log:
+            if rank == 0:
+                schedule.step(x.to(device))
+            elif rank == world_size - 1:
+                schedule.step(target=target.to(device))
+            else:
+                schedule.step()
+    whole = pipeline_model(0)
+    loss_of(whole(x), target, PIPE_BATCH).backward()
+    want = _flat(p.grad for p in stage_of(whole, rank, world_size).parameters())
+    mine = _flat(p.grad.cpu() for p in stage_module.parameters())
+    return {"first": logs[0].summary(), "collectives": logs[1].summary(),
+            "grads_equal": case("g", mine, want, RTOL, ATOL).ok}
+
+
+def describe_torch_gpipe(records: list[dict | None]) -> str:
+    """What torch's GPipe sent and received on each rank, and the gradient check."""
+    if any(r is None for r in records):
+        return f"not run: {pipelining_status()}"
+    ok = "yes" if all(r["grads_equal"] for r in records) else "NO"
+    lines = [f"ScheduleGPipe, 4 micro-batches: gradients equal the unsplit model's on every "
+             f"rank: {ok}"]
+    for rank, r in enumerate(records):
+        lines.append(f"  rank {rank}: first step {_calls(r['first'])}; second step "
+                     f"{_calls(r['collectives'])}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the exercises' checks
+
+ROW_CASES = ((8, 64, 16), (5, 7, 3))  # (batch, hidden, out): then 7 features, split unevenly
+
+
+def _calls(summary: dict) -> str:
+    return ", ".join(f"{op} x{c} of {b:,} B" for op, (c, b) in summary.items()) or "none"
+
+
+@exercise_check("row_parallel", "ranks")
+def check_row_parallel(namespace: dict) -> list[Case]:
+    """row_parallel_forward on this rank's columns: the whole output on every rank, and exactly
+    one all-reduce of the output's bytes, counted where torch dispatches collectives."""
+    fn = require(namespace, "row_parallel_forward")
+    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    cases: list[Case] = []
+    for batch, hidden, out in ROW_CASES:
+        g = torch.Generator().manual_seed(100 + hidden)
+        h, w, b = (torch.randn(*shape, generator=g) for shape in
+                   ((batch, hidden), (out, hidden), (out,)))
+        shards = [t.tensor_split(world_size, dim=1)[rank].clone().to(device) for t in (h, w)]
+        label = f"batch {batch}, {hidden} hidden features over {world_size} ranks"
+        log = CollectiveLog()
+        with log:
+            y = fn(*shards, b.clone().to(device))
+        cases.append(case(f"{label}: the output", y, h @ w.T + b, RTOL, ATOL))
+        want = {"all_reduce": (1, batch * out * 4)}
+        got = log.summary()
+        cases.append(Case(f"{label}: the collectives", got == want, "" if got == want else
+                          f"got {_calls(got)}, expected one all_reduce of the output's "
+                          f"{batch * out * 4} B"))
+        if not all(c.ok for c in cases):  # the next case's uneven shards could make a
+            break                         # wrong collective stall: stop at the first failure
+    return cases
+
+
+ORDER_CASES = ((2, 4), (2, 1), (3, 5), (4, 2), (4, 8), (1, 3))  # (stages, micro-batches)
+
+
+def _first_difference(got: list, want: list) -> str:
+    for k, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return f"at position {k}: got {a}, expected {b}"
+    return f"{len(got)} ops, expected {len(want)}"
+
+
+@exercise_check("one_f_one_b", "ranks")
+def check_one_f_one_b(namespace: dict) -> list[Case]:
+    """one_f_one_b(stage, p, m) against 1F1B for several p and m (fewer micro-batches than
+    stages too), then the pipeline run in that order on these ranks: the gradients equal the
+    unsplit model's, and the micro-batches in flight on this stage stay at min(p - s, m)."""
+    fn = require(namespace, "one_f_one_b")
+    kit = solution_module("one_f_one_b").one_f_one_b
+    cases = []
+    for p, m in ORDER_CASES:
+        for s in range(p):
+            got = fn(s, p, m)
+            got = [tuple(op) for op in got] if isinstance(got, (list, tuple)) else got
+            want = kit(s, p, m)
+            ok = got == want
+            cases.append(Case(f"stage {s} of {p}, {m} micro-batches", ok, "" if ok else
+                              _first_difference(got, want) if isinstance(got, list) else
+                              f"got {got!r}, expected a list like {want[:3]}"))
+    if not all(c.ok for c in cases):
+        return cases  # never run an order that could deadlock the ranks
+    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    run = run_pipeline("1f1b", 3, rank, world_size, {"one_f_one_b": fn}, device=device)
+    cases.append(Case(f"a step on {world_size} ranks, 3 micro-batches of 6, 5, 5: gradients "
+                      "equal the unsplit model's", run["grads_equal"],
+                      "" if run["grads_equal"] else "they differ"))
+    held, bound = peak_in_flight(run["order"]), min(world_size - rank, 3)
+    cases.append(Case("micro-batches held at once on this stage", held == bound,
+                      "" if held == bound else f"got {held}, expected {bound}"))
+    return cases
+
+
+BUBBLE_CASES = ((2, 1), (2, 4), (2, 8), (3, 5), (4, 4), (4, 16), (1, 6), (8, 2))
+
+
+def _wrong_bubble(p, m):
+    return (p - 1) / m  # idle slots over busy ones, not over the whole step
+
+
+@exercise_check("bubble_fraction", "prediction", wrong_answer=_wrong_bubble)
+def check_bubble_fraction(answer) -> list[Case]:
+    """bubble_fraction(p, m) against the bubble counted in slots of GPipe's schedule, for
+    several p and m (fewer micro-batches than stages too)."""
+    if not callable(answer):
+        return [Case("the answer", False, f"got {answer!r}, expected the function "
+                                          "bubble_fraction(p, m)")]
+    fn = require({"bubble_fraction": answer}, "bubble_fraction")
+    cases = []
+    for p, m in BUBBLE_CASES:
+        want = bubble_from_slots(simulate([gpipe(s, p, m) for s in range(p)]))
+        got = fn(p, m)
+        cases.append(case(f"p={p}, m={m}", None if got is None else float(got), want, 0, 1e-9))
+    return cases

@@ -1,0 +1,427 @@
+"""Lesson 11: tensor and pipeline parallelism on real gloo ranks. The numbers the notebook shows
+(equivalence with the unsplit model, collectives and bytes, the bubble counted in slots, memory
+per rank against the formulas), and its three exercises: the kit's solution PASSes, two correct
+answers written differently PASS, the template is NOT ATTEMPTED, five plausible wrong answers
+FAIL with the first wrong value; on two ranks and, where the exercise allows, three."""
+
+import pytest
+import torch
+
+import ddp_helpers as dh
+from ddp_helpers import exercises
+from ddp_helpers.lessons import tensor_and_pipeline_parallel as lesson
+
+SETUP = "import torch.nn.functional as F\n" \
+        "from ddp_helpers.lessons import tensor_and_pipeline_parallel as lesson"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with dh.Ranks(2, timeout=90, output="none") as p:
+        p.run(SETUP)
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    with dh.Ranks(3, timeout=90, output="none") as p:
+        p.run(SETUP)
+        yield p
+
+
+def verdict(pool, name: str, source: str) -> str:
+    """Define `source` on the ranks, as a learner's %%ranks cell would, then check `name`."""
+    pool.run("for _n in ('row_parallel_forward', 'one_f_one_b'):\n    globals().pop(_n, None)")
+    pool.run(source)
+    return exercises.evaluate(name, pool=pool).line
+
+
+def edit(name: str, old: str, new: str) -> str:
+    """The kit's solution with one edit: a wrong version a learner could write."""
+    source = exercises.solution_source(name)
+    assert old in source, f"{old!r} is not in the solution of {name}"
+    return source.replace(old, new)
+
+
+# ---------------------------------------------------------------- exercise: row_parallel
+
+ROW_RIGHT = {
+    "an alias of all_reduce, the bias added on rank 0 before the sum": '''
+from torch.distributed import all_reduce as sum_all
+import torch.nn.functional as F
+
+def row_parallel_forward(h_shard, weight_shard, bias):
+    y = F.linear(h_shard, weight_shard, bias if dist.get_rank() == 0 else None)
+    sum_all(y, op=dist.ReduceOp.SUM)
+    return y
+''',
+    "a functional collective": '''
+import torch.distributed._functional_collectives as funcol
+
+def row_parallel_forward(h_shard, weight_shard, bias):
+    partial = torch.matmul(h_shard, weight_shard.t())
+    return funcol.all_reduce(partial, "sum", dist.group.WORLD).wait() + bias
+''',
+}
+ROW_WRONG = {
+    "adds the bias on every rank before the sum": ("    y = h_shard @ weight_shard.T\n",
+                                                   "    y = h_shard @ weight_shard.T + bias\n"
+                                                   "    bias = 0\n"),
+    "forgets the all-reduce": ("    dist.all_reduce(y)\n", ""),
+    "averages instead of summing": ("    dist.all_reduce(y)\n",
+                                    "    dist.all_reduce(y)\n    y = y / dist.get_world_size()\n"),
+    "all-gathers the partial sums and adds them (right values, the wrong collective)": (
+        "    dist.all_reduce(y)\n",
+        "    parts = [torch.empty_like(y) for _ in range(dist.get_world_size())]\n"
+        "    dist.all_gather(parts, y)\n    y = torch.stack(parts).sum(0)\n"),
+    "all-reduces the bias's share too (right values, two all-reduces)": (
+        "    return y + bias",
+        "    b = bias / dist.get_world_size()\n    dist.all_reduce(b)\n    return y + b"),
+    "gathers the whole input and weight, then multiplies (right values, all-gathers)": (
+        "    y = h_shard @ weight_shard.T\n    dist.all_reduce(y)\n",
+        "    n = dist.get_world_size()\n"
+        "    hs = [torch.empty_like(h_shard) for _ in range(n)]\n"
+        "    ws = [torch.empty_like(weight_shard) for _ in range(n)]\n"
+        "    dist.all_gather(hs, h_shard)\n    dist.all_gather(ws, weight_shard)\n"
+        "    y = torch.cat(hs, 1) @ torch.cat(ws, 1).T\n"),
+}
+
+
+def test_row_parallel_the_kits_solution_and_two_other_right_answers_pass(pool, pool3):
+    for p in (pool, pool3):
+        _row_parallel_right_answers_pass(p)
+
+
+def _row_parallel_right_answers_pass(p):
+    cases = 4 * p.nprocs  # two inputs, output and collectives each, on every rank
+    assert verdict(p, "row_parallel", exercises.solution_source("row_parallel")) == (
+        f"PASS row_parallel: {cases} of {cases} cases")
+    for what, source in ROW_RIGHT.items():
+        line = verdict(p, "row_parallel", source)
+        assert line.startswith("PASS row_parallel"), (what, line)
+
+
+@pytest.mark.parametrize("what", ROW_WRONG)
+def test_row_parallel_wrong_answers_fail(pool, what):
+    line = verdict(pool, "row_parallel", edit("row_parallel", *ROW_WRONG[what]))
+    assert line.startswith("FAIL row_parallel: rank 0: batch 8, 64 hidden features"), line
+
+
+def test_row_parallel_wrong_answers_fail_on_three_ranks(pool3):
+    for what in ("adds the bias on every rank before the sum", "averages instead of summing"):
+        line = verdict(pool3, "row_parallel", edit("row_parallel", *ROW_WRONG[what]))
+        assert line.startswith("FAIL row_parallel"), (what, line)
+
+
+def test_row_parallel_messages_name_the_first_wrong_value_and_the_collectives(pool):
+    bias = verdict(pool, "row_parallel", edit("row_parallel", *ROW_WRONG[
+        "adds the bias on every rank before the sum"]))
+    assert "the output: at index (0, 0): got" in bias and "expected" in bias
+    gathered = verdict(pool, "row_parallel", edit("row_parallel", *ROW_WRONG[
+        "all-gathers the partial sums and adds them (right values, the wrong collective)"]))
+    assert ("the collectives: got all_gather x1 of 512 B, expected one all_reduce of the "
+            "output's 512 B") in gathered
+    twice = verdict(pool, "row_parallel", edit("row_parallel", *ROW_WRONG[
+        "all-reduces the bias's share too (right values, two all-reduces)"]))
+    assert "got all_reduce x2 of 576 B" in twice
+
+
+def test_row_parallel_template_is_not_attempted(pool):
+    line = verdict(pool, "row_parallel",
+                   "def row_parallel_forward(h_shard, weight_shard, bias):\n    ...\n")
+    assert line.startswith("NOT ATTEMPTED row_parallel")
+
+
+# ---------------------------------------------------------------- exercise: one_f_one_b
+
+ORDER_RIGHT = {
+    "greedy: a forward while this stage may hold one more": '''
+def one_f_one_b(stage, num_stages, num_microbatches):
+    order, f, b = [], 0, 0
+    while b < num_microbatches:
+        if f < num_microbatches and f - b < num_stages - stage:
+            order.append(("F", f))
+            f += 1
+        else:
+            order.append(("B", b))
+            b += 1
+    return order
+''',
+    "three phases with list comprehensions": '''
+def one_f_one_b(stage, num_stages, num_microbatches):
+    w = max(0, min(num_stages - stage - 1, num_microbatches))
+    steady = [op for i in range(num_microbatches - w) for op in (("F", i + w), ("B", i))]
+    return [("F", i) for i in range(w)] + steady + \\
+        [("B", i) for i in range(num_microbatches - w, num_microbatches)]
+''',
+}
+ORDER_WRONG = {
+    "GPipe's order": ("    order = [(\"F\", i) for i in range(warmup)]\n",
+                      "    return [(\"F\", i) for i in range(num_microbatches)] + "
+                      "[(\"B\", i) for i in range(num_microbatches)]\n"),
+    "one forward too many in warm-up (p - s)": ("min(num_stages - 1 - stage,",
+                                                "min(num_stages - stage,"),
+    "warm-up counted from the wrong end (s)": ("min(num_stages - 1 - stage,", "min(stage,"),
+    "warm-up not capped at m": ("warmup = min(num_stages - 1 - stage, num_microbatches)",
+                                "warmup = num_stages - 1 - stage"),
+    "backward before forward in the steady state": ('order += [("F", warmup + i), ("B", i)]',
+                                                     'order += [("B", i), ("F", warmup + i)]'),
+    "the last backwards newest first": (
+        "order += [(\"B\", i) for i in range(num_microbatches - warmup, num_microbatches)]",
+        "order += [(\"B\", i) for i in reversed(range(num_microbatches - warmup, "
+        "num_microbatches))]"),
+}
+
+
+def test_one_f_one_b_the_kits_solution_and_two_other_right_answers_pass(pool, pool3):
+    for p in (pool, pool3):
+        _one_f_one_b_right_answers_pass(p)
+
+
+def _one_f_one_b_right_answers_pass(p):
+    line = verdict(p, "one_f_one_b", exercises.solution_source("one_f_one_b"))
+    assert line.startswith("PASS one_f_one_b"), line
+    for what, source in ORDER_RIGHT.items():
+        line = verdict(p, "one_f_one_b", source)
+        assert line.startswith("PASS one_f_one_b"), (what, line)
+
+
+@pytest.mark.parametrize("what", ORDER_WRONG)
+def test_one_f_one_b_wrong_answers_fail_with_the_first_difference(pool, what):
+    line = verdict(pool, "one_f_one_b", edit("one_f_one_b", *ORDER_WRONG[what]))
+    assert line.startswith("FAIL one_f_one_b: rank 0: stage "), line
+    assert "at position" in line or "ops, expected" in line, line
+
+
+def test_one_f_one_b_gpipe_is_named_where_it_differs(pool):
+    line = verdict(pool, "one_f_one_b", edit("one_f_one_b", *ORDER_WRONG["GPipe's order"]))
+    assert "stage 0 of 2, 4 micro-batches: at position 2: got ('F', 2), expected ('B', 0)" in line
+
+
+def test_one_f_one_b_template_and_nonsense(pool):
+    template = "def one_f_one_b(stage, num_stages, num_microbatches):\n    ...\n"
+    assert verdict(pool, "one_f_one_b", template).startswith("NOT ATTEMPTED one_f_one_b")
+    line = verdict(pool, "one_f_one_b", "def one_f_one_b(*args):\n    return None\n")
+    assert line.startswith("FAIL one_f_one_b") and "got None" in line
+
+
+# ---------------------------------------------------------------- exercise: bubble_fraction
+
+
+def _right_1(p, m):
+    return (p - 1) / (m + p - 1)
+
+
+def _right_2(p, m):
+    step = 2 * (m + p - 1)  # slots of one step, forward and backward
+    return 1 - 2 * m / step
+
+
+BUBBLE_WRONG = {
+    "idle over busy, (p - 1) / m": lambda p, m: (p - 1) / m,
+    "(p - 1) / (m + p)": lambda p, m: (p - 1) / (m + p),
+    "p / (m + p - 1)": lambda p, m: p / (m + p - 1),
+    "(p - 1) / (m p)": lambda p, m: (p - 1) / (m * p),
+    "half of it: only the forwards' fill counted": lambda p, m: (p - 1) / (2 * (m + p - 1)),
+    "integer division": lambda p, m: (p - 1) // (m + p - 1),
+}
+
+
+def test_bubble_fraction_right_answers_pass():
+    solution = exercises.solution_module("bubble_fraction").answer
+    for fn in (solution, _right_1, _right_2):
+        line = exercises.evaluate("bubble_fraction", fn).line
+        assert line == f"PASS bubble_fraction: {len(lesson.BUBBLE_CASES)} of " \
+                       f"{len(lesson.BUBBLE_CASES)} cases", line
+
+
+@pytest.mark.parametrize("what", BUBBLE_WRONG)
+def test_bubble_fraction_wrong_answers_fail(what):
+    line = exercises.evaluate("bubble_fraction", BUBBLE_WRONG[what]).line
+    assert line.startswith("FAIL bubble_fraction: p=") and "expected" in line, line
+
+
+def test_bubble_fraction_no_answer_and_not_a_function():
+    def bubble_fraction(p, m):
+        ...
+    assert exercises.evaluate("bubble_fraction", None).outcome == "NOT ATTEMPTED"
+    assert exercises.evaluate("bubble_fraction", bubble_fraction).outcome == "NOT ATTEMPTED"
+    line = exercises.evaluate("bubble_fraction", 0.2).line
+    assert line.startswith("FAIL bubble_fraction") and "expected the function" in line
+
+
+# ---------------------------------------------------------------- tensor parallel: the numbers
+
+BY_HAND = """
+block = lesson.mlp_block(seed=0)
+x, dy = lesson.block_input()
+W1, W2 = block[0].weight.detach(), block[2].weight.detach()
+w1 = W1.chunk(world_size, dim=0)[rank].clone().requires_grad_()
+b1 = block[0].bias.detach().chunk(world_size)[rank].clone().requires_grad_()
+w2 = W2.chunk(world_size, dim=1)[rank].clone().requires_grad_()
+b2 = block[2].bias.detach().clone().requires_grad_()
+x_in = x.clone().requires_grad_()
+with lesson.CollectiveLog() as forward:
+    h = F.gelu(F.linear(lesson.copy_to_ranks(x_in), w1, b1))
+    y = lesson.sum_over_ranks(F.linear(h, w2)) + b2
+with lesson.CollectiveLog() as backward:
+    y.backward(dy)
+forward.summary(), backward.summary(), lesson.compare_with_unsplit(
+    {"y": y, "x": x_in.grad, "w1": w1.grad, "b1": b1.grad, "w2": w2.grad, "b2": b2.grad},
+    rank, world_size)
+"""
+ALL_EQUAL = "; ".join(f"{k}: equal within rtol=1e-05, atol=1e-06: True"
+                      for k in ("y", "x", "w1", "b1", "w2", "b2"))
+
+
+def test_megatron_split_by_hand_sends_one_all_reduce_each_way_and_equals_the_block(pool):
+    for fwd, bwd, equal in pool.run(BY_HAND):
+        assert fwd == {"all_reduce": (1, lesson.BATCH * lesson.D * 4)} == bwd
+        assert equal == ALL_EQUAL
+
+
+def test_rows_first_sends_an_all_reduce_of_the_hidden_layer_and_an_all_gather(pool):
+    got = pool.run("x, _ = lesson.block_input()\nwith lesson.CollectiveLog() as log:\n"
+                   "    y = lesson.rows_first_forward(lesson.mlp_block(0), x, rank, world_size)\n"
+                   "log.summary(), lesson.compare_with_unsplit({'y': y}, rank, world_size)")
+    for summary, equal in got:
+        assert summary == {"all_reduce": (1, lesson.BATCH * lesson.HIDDEN * 4),
+                           "all_gather": (1, lesson.BATCH * lesson.D * 4 // 2)}
+        assert equal == "y: equal within rtol=1e-05, atol=1e-06: True"
+
+
+def test_dtensor_shards_like_megatron_and_sends_what_the_hand_split_sends(pool):
+    got = pool.run("""
+tp = lesson.parallel_block(device)
+x, dy = lesson.block_input()
+x_dt = x.clone().requires_grad_()
+with lesson.CollectiveLog() as fwd:
+    y = tp(x_dt)
+with lesson.CollectiveLog() as bwd:
+    y.backward(dy)
+(lesson.describe_parameter(tp[0].weight), lesson.describe_parameter(tp[2].weight),
+ fwd.summary(), bwd.summary(), lesson.compare_with_unsplit(
+    {"y": y, "x": x_dt.grad, "w1": tp[0].weight.grad, "b1": tp[0].bias.grad,
+     "w2": tp[2].weight.grad, "b2": tp[2].bias.grad}, rank, world_size))
+""")
+    for w1, w2, fwd, bwd, equal in got:
+        assert w1 == "DTensor: global (64, 16), placements (Shard(dim=0),), local shard (32, 16)"
+        assert w2 == "DTensor: global (16, 64), placements (Shard(dim=1),), local shard (16, 32)"
+        assert fwd == bwd == {"all_reduce": (1, 512)}
+        assert equal == ALL_EQUAL
+
+
+def test_the_log_counts_every_way_of_calling_a_collective(pool):
+    got = pool.run("""
+from torch.distributed import all_reduce as ar
+import torch.distributed._functional_collectives as funcol
+with lesson.CollectiveLog() as log:
+    t = torch.ones(4)
+    dist.all_reduce(t); ar(t); funcol.all_reduce(t, "sum", dist.group.WORLD).wait()
+    dist.all_reduce(t, async_op=True).wait()
+log.summary()
+""")
+    assert got == [{"all_reduce": (4, 64)}] * 2
+
+
+# ---------------------------------------------------------------- pipeline parallel: the numbers
+
+
+def test_pipelines_equal_the_unsplit_model_and_their_bubble_is_the_formula(pool, pool3):
+    for p in (pool, pool3):
+        _pipelines_equal_the_unsplit_model(p)
+
+
+def _pipelines_equal_the_unsplit_model(p):
+    runs = p.run("lesson.schedule_runs(rank, world_size, timed=False)")
+    stages = p.nprocs
+    per_run = lesson.by_run(runs)
+    assert [(r[0]["schedule"], r[0]["m"]) for r in per_run] == [
+        (s, m) for s in ("GPipe", "1F1B (the kit's solution)") for m in lesson.MICROBATCHES]
+    for per_rank in per_run:
+        m = per_rank[0]["m"]
+        assert all(r["grads_equal"] for r in per_rank)
+        assert lesson.bubble_from_slots(lesson.slots_of(per_rank)) == pytest.approx(
+            (stages - 1) / (m + stages - 1), abs=1e-12)
+        act = lesson.PIPE_BATCH * lesson.WIDTH * 4  # one direction, all micro-batches
+        for rank, r in enumerate(per_rank):
+            ends = (rank == 0) + (rank == stages - 1)
+            assert r["collectives"] == {"recv": (m * (2 - ends), act * (2 - ends)),
+                                        "send": (m * (2 - ends), act * (2 - ends))}
+            gpipe = r["schedule"] == "GPipe"
+            assert lesson.peak_in_flight(r["order"]) == (m if gpipe else min(stages - rank, m))
+
+
+def test_pipeline_memory_equals_the_formulas(pool):
+    for m in (2, 4):
+        runs = pool.run(f"lesson.memory_runs(rank, world_size, num_microbatches={m})")
+        want = lesson.pp_formulas(2, m)
+        for rank, (gpipe, f1b) in enumerate(runs):
+            assert gpipe["parameters"] == f1b["parameters"] == want[rank]["parameters"]
+            assert gpipe["peak_activations"] == want[rank]["gpipe"]
+            assert f1b["peak_activations"] == want[rank]["1f1b"]
+    whole = lesson.unsplit_pipeline_memory()
+    assert whole == {"parameters": 2 * want[0]["parameters"],
+                     "activations": 4 * lesson.PIPE_BATCH * lesson.WIDTH * (lesson.BLOCKS + 2)}
+
+
+def test_tensor_parallel_memory_equals_the_formulas(pool):
+    want = lesson.tp_formulas(2)
+    for mem in pool.run("lesson.tp_memory(rank, world_size, device)"):
+        assert mem == {"unsplit": want["unsplit"], "by hand": want["split"],
+                       "DTensor": want["split"]}
+    assert want == {"unsplit": {"parameters": 8512, "activations": 4608},
+                    "split": {"parameters": 4288, "activations": 2560}}
+
+
+def test_the_timed_runs_are_deterministic_where_the_notebook_compares_them(pool):
+    runs = pool.run("lesson.schedule_runs(rank, world_size, microbatches=(2,))")
+    assert lesson.describe_ran(runs).endswith(": yes")
+    text = lesson.describe_runs(runs)
+    assert "GPipe                         2  yes           2 x send,  2 x recv,   524,288 B" in text
+    assert text.splitlines()[1].endswith("0.333")
+
+
+def test_torch_pipelining_sends_what_the_hand_written_gpipe_sends(pool):
+    status = pool.run("lesson.pipelining_status()")
+    if status[0] != "runs":  # an older torch without the gloo fix: said so, and not run
+        assert "pytorch#132644" in status[0] or "no torch.distributed.pipelining" in status[0]
+        return
+    records = pool.run("lesson.torch_gpipe(rank, world_size, device)")
+    for r in records:
+        assert r["grads_equal"]
+        assert r["collectives"] == {"recv": (4, 4096), "send": (4, 4096)}
+    assert lesson.describe_torch_gpipe(records).splitlines()[0].endswith(": yes")
+
+
+def test_simulate_refuses_orders_that_deadlock_or_are_not_schedules():
+    # stage 0 waits for micro-batch 0's gradient before sending micro-batch 1, which stage 1
+    # wants first
+    with pytest.raises(ValueError, match=r"deadlock: stage 0 at \('B', 0\), stage 1 at "
+                                         r"\('F', 1\)"):
+        lesson.simulate([[("F", 0), ("B", 0), ("F", 1), ("B", 1)],
+                         [("F", 1), ("B", 1), ("F", 0), ("B", 0)]])
+    with pytest.raises(ValueError, match="comes before"):
+        lesson.simulate([[("B", 0), ("F", 0)]])
+    with pytest.raises(ValueError, match="one F and one B"):
+        lesson.simulate([[("F", 0)]])
+    slots = lesson.simulate([lesson.gpipe(s, 2, 2) for s in range(2)])
+    assert slots == [[("F", 0, 0), ("F", 1, 1), ("B", 0, 4), ("B", 1, 5)],
+                     [("F", 0, 1), ("F", 1, 2), ("B", 0, 3), ("B", 1, 4)]]
+
+
+def test_saved_activations_are_counted_once_and_released():
+    model = lesson.pipeline_model(0)
+    x = torch.randn(4, lesson.WIDTH)
+    with lesson.SavedActivations(model.parameters()) as saved:
+        out = model(x).sum()
+    assert saved.peak == saved.live == 4 * 4 * lesson.WIDTH * (lesson.BLOCKS + 1)
+    out.backward()
+    assert saved.live == 0
+
+
+def test_a_gloo_send_waits_for_the_matching_recv(pool):
+    # rank 1 is held at a barrier until rank 0 has looked, so its recv cannot come earlier
+    assert pool.run("lesson.send_waits_for_recv(rank)") == [
+        "my send of 4 bytes finished before rank 1 posted its recv: False",
+        "posted my recv only after the barrier"]
