@@ -385,7 +385,8 @@ def test_the_timed_runs_are_deterministic_where_the_notebook_compares_them(pool)
 def test_torch_pipelining_sends_what_the_hand_written_gpipe_sends(pool):
     status = pool.run("lesson.pipelining_status()")
     if status[0] != "runs":  # an older torch without the gloo fix: said so, and not run
-        assert "pytorch#132644" in status[0] or "no torch.distributed.pipelining" in status[0]
+        assert any(why in status[0] for why in ("pytorch#132644", "no torch.distributed.pipelining",
+                                                "the kit runs it from torch 2.14"))
         return
     records = pool.run("lesson.torch_gpipe(rank, world_size, device)")
     for r in records:
