@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .launch import launch
+from .engine import launch
 from .runtime import process_group
 
 

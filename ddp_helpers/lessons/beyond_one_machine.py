@@ -30,11 +30,11 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
+from ddp_helpers import clean_error_text
 from ddp_helpers.checks import Case, case
 from ddp_helpers.exercises import exercise_check, require
 from ddp_helpers.models import flat_params
 from ddp_helpers.runtime import device_ids, process_group
-from ddp_helpers.tracebacks import clean_error_text
 
 N_SAMPLES, N_FEATURES, N_CLASSES = 1024, 8, 4
 GLOBAL_BATCH = 64  # split evenly over the ranks, so 1, 2 or 4 ranks take the same steps

@@ -24,12 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddp_helpers import RankRaised, clean_traceback, free_port, launch
 from ddp_helpers.checks import Case, case
-from ddp_helpers.errors import RankRaised
 from ddp_helpers.exercises import exercise_check, require
-from ddp_helpers.launch import free_port, launch
 from ddp_helpers.runtime import process_group
-from ddp_helpers.tracebacks import clean_traceback
 
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as tmp
 
-from ._rank import RankSpec, rank_entry
 from .errors import looks_like_peer_failure
+from .rank_entry import RankSpec, rank_entry
 from .relay import OutputRelay
 
 _PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data",
-            "numpy", "torchvision", "ddp_helpers._rank", "ddp_helpers._rank_server"]
+            "numpy", "torchvision", "ddp_helpers.engine.rank_entry",
+            "ddp_helpers.engine.cell_server"]
 DRAIN_SECONDS = 1.0  # how long output from finished ranks may keep arriving (their workers)
 SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arrives within this
 _POLL_SECONDS = 0.25  # the longest the loop sleeps before re-checking deadlines

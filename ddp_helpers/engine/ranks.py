@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ._rank_server import serve
+from .cell_server import serve
 from .census import pid_alive
 from .errors import LaunchError, LaunchRefused, LaunchTimeout, RankDied, RankRaised
 from .launch import free_port
-from .launch_checks import (
+from .options import (
     check_backend,
     check_env,
     check_output,

@@ -91,7 +91,7 @@ def check_backend(backend: str | None, nprocs: int) -> dict[str, str]:
     """Refuse an unknown backend, or nccl without GPUs; return the variable that forces it."""
     if backend is None:
         return {}
-    from .runtime import BACKEND_VAR, choose_backend  # late: runtime imports torch.distributed
+    from ..runtime import BACKEND_VAR, choose_backend  # late: runtime imports torch.distributed
 
     try:
         chosen = choose_backend(backend, nprocs)[0]

@@ -10,7 +10,7 @@ import socket
 import time
 
 from .errors import LaunchError, LaunchTimeout, RankDied, RankRaised
-from .launch_checks import check_launch
+from .options import check_launch
 from .supervisor import DRAIN_SECONDS, Failure, Priority, RankSet
 
 

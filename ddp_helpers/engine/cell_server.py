@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._rank import current_spec, flush, to_cpu
-from .runtime import choose_backend, let_gloo_threads_finish, process_group
+from ..runtime import choose_backend, let_gloo_threads_finish, process_group
+from .rank_entry import current_spec, flush, to_cpu
 
 # Where a stuck main thread waits on its peers: frames in these parts of torch. Backward counts
 # because DDP's reducer waits for its bucket all-reduces at the end of backward.

@@ -17,7 +17,7 @@ import argparse
 import shlex
 
 from .errors import LaunchRefused
-from .launch_checks import OUTPUT_MODES
+from .options import OUTPUT_MODES
 from .ranks import Ranks, check_options, current
 
 _USAGE = ("Use `%ranks start 2` (options --backend, --timeout, --no-group, --output, --env), then "
