@@ -1,14 +1,16 @@
 """The errors `launch` and `Ranks` raise, and the text they carry: each says what happened, on
 which rank, and what to do next.
 
-The text is built here, from what the supervisor observed (a rank's report, an exit code, the
-last lines it printed), so the supervisor only observes and this module only words.
+The text of these errors is built here, from what the supervisor observed (a rank's Error
+reply, an exit code, the last lines it printed), so the supervisor only observes and this module
+only words. (Refusals of bad input are worded where they are checked, in options.py and magic.py.)
 """
 
 from __future__ import annotations
 
 import signal
 
+from .protocol import Error
 from .tracebacks import clean_error_text, clean_traceback, main_thread_stack
 
 
@@ -49,12 +51,12 @@ class RankRaised(LaunchError):
         self.traceback_text = traceback_text
 
     @classmethod
-    def from_report(cls, rank: int, nprocs: int, report: tuple[str, str, str], *,
-                    consequence: str = "The other ranks were stopped.",
-                    results: list | None = None, finished: list[int] | None = None
-                    ) -> RankRaised:
-        """Word a rank's ("ExcType", message, traceback) report."""
-        exc_type, message, tb = report
+    def from_error(cls, rank: int, nprocs: int, error: Error, *,
+                   consequence: str = "The other ranks were stopped.",
+                   results: list | None = None, finished: list[int] | None = None
+                   ) -> RankRaised:
+        """Word a rank's Error reply."""
+        exc_type, message, tb = error.type, error.message, error.traceback
         text = (f"rank {rank} of {nprocs} raised {exc_type}: {clean_error_text(message)}\n"
                 f"{consequence} The rank's traceback:\n{clean_traceback(tb)}"
                 + hint(exc_type, message) + finished_note(finished))

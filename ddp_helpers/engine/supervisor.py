@@ -6,7 +6,8 @@ Ranks start through torch.multiprocessing.start_processes (torch's own process c
 but never the learner's modules and never CUDA: a warm start costs a fork, not a Python + torch
 start-up. Supervision is our own: torch's ProcessContext.join gives failing runs a SIGTERM and up
 to 30 s of grace, while a rank blocked in a collective must be stopped at once, and output must
-be relayed meanwhile. This module observes; errors.py words what it observed.
+be relayed meanwhile. This module observes; errors.py words what it observed, and the policies
+(launch.py, ranks.py, with watch.py's rules) decide what to do about it.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import signal
+import socket
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.multiprocessing as tmp
 
 from .errors import looks_like_peer_failure
+from .protocol import AskWhere, Channel, Command, Error, Ok, Ready, Reply, Stop, Unreadable, Where
 from .rank_entry import RankSpec, rank_entry
 from .relay import OutputRelay
 
@@ -34,8 +35,7 @@ _PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.optim", "torch.util
             "numpy", "torchvision", "ddp_helpers.engine.rank_entry",
             "ddp_helpers.engine.cell_server"]
 DRAIN_SECONDS = 1.0  # how long output from finished ranks may keep arriving (their workers)
-SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arrives within this
-_POLL_SECONDS = 0.25  # the longest the loop sleeps before re-checking deadlines
+_REAP_SECONDS = 2.0  # how long persistent ranks told to Stop may take to leave on their own
 
 
 class Priority(enum.IntEnum):
@@ -49,34 +49,53 @@ class Priority(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Failure:
-    """The failure to report: which rank, and whether it raised or died."""
+    """The failure to report: which rank, and its Error reply or, if it died, its exit code."""
 
     priority: Priority
     rank: int
-    raised: bool  # True: its report is in RankSet.reports; False: its exit code is in .exitcodes
+    error: Error | None = None
+    exitcode: int | None = None
+
+    @property
+    def raised(self) -> bool:
+        return self.error is not None
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now, chosen by the kernel."""
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_env(nprocs: int, port: int) -> dict[str, str]:
+    """What env:// needs on every rank of a run on this machine (RANK and LOCAL_RANK are set
+    by each rank itself)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs)}
 
 
 class RankSet:
-    """The processes of one run: their pipes, what they reported and how they exited.
+    """The processes of one run: their channels, what they replied and how they exited.
 
-    `persistent=True` gives every rank a command pipe and a control pipe (for `Ranks`), and makes
-    any exit a death, since persistent ranks only exit when told to.
+    `persistent=True` gives every rank a command channel and a control channel (for `Ranks`),
+    and makes any exit a death, since persistent ranks only exit when told to. The policies
+    (launch.py, ranks.py, watch.py) call this class; it never calls them.
     """
 
-    def __init__(self, nprocs: int, output: str, start_method: str, *,
-                 persistent: bool = False):
+    def __init__(self, nprocs: int, start_method: str, *, persistent: bool = False):
         self.nprocs = nprocs
         self.start_method = start_method
         self.persistent = persistent
         self.ctx = multiprocessing.get_context(start_method)
-        self.relay = OutputRelay(nprocs, output)
-        self.reports: dict[int, tuple] = {}  # rank -> ("ok", value) or ("error", type, msg, tb)
+        self.relay = OutputRelay(nprocs)
         self.exitcodes: dict[int, int] = {}
-        self.ends: dict = {}  # our read ends -> (kind, rank)
-        self.commands: dict[int, object] = {}
-        self.controls: dict[int, object] = {}
         self.context = None
         self.stopped = False
+        self._replies: dict[int, Reply] = {}
+        self._ends: dict = {}  # our read ends (pipes, reply channels) -> (kind, rank)
+        self._commands: dict[int, Channel] = {}
+        self._controls: dict[int, Channel] = {}
         self._lifeline = None
         self._waiting: dict = {}  # process sentinel -> rank, for ranks not yet exited
         self._closed: set[int] = set()  # ranks whose Process object was closed after reaping
@@ -84,9 +103,12 @@ class RankSet:
 
     # -- starting -------------------------------------------------------------------------------
 
-    def start(self, payload: bytes, env: dict) -> None:
-        """Start every rank on `payload` (a pickled (fn, args)) with `env` as its environment."""
+    def start(self, payload: bytes, env: dict[str, str], port: int, output) -> None:
+        """Start every rank on `payload` (a pickled (fn, args)) with the caller's environment,
+        `env` and the rendezvous on `port`, relaying their output as `output` says."""
+        self.relay_to(output)
         _prepare_start_server(self.start_method)
+        env = {**os.environ, **env, **rendezvous_env(self.nprocs, port)}
         specs = self._pipes(payload, env)
         with inherited_env(env if self.start_method == "spawn" else None):
             self.context = tmp.start_processes(rank_entry, args=(specs,), nprocs=self.nprocs,
@@ -104,12 +126,14 @@ class RankSet:
             err_r, err_w = self.ctx.Pipe(duplex=False)
             res_r, res_w = self.ctx.Pipe(duplex=False)
             stk_r, stk_w = self.ctx.Pipe(duplex=False)
-            self.ends.update({out_r: ("out", rank), err_r: ("err", rank), res_r: ("res", rank)})
+            self._ends.update({out_r: ("out", rank), err_r: ("err", rank),
+                               Channel(res_r): ("res", rank)})
             self._stack_ends[rank] = stk_r
             cmd_r = control_child = None
             if self.persistent:
-                cmd_r, self.commands[rank] = self.ctx.Pipe(duplex=False)
-                self.controls[rank], control_child = self.ctx.Pipe(duplex=True)
+                cmd_r, cmd_w = self.ctx.Pipe(duplex=False)
+                control, control_child = self.ctx.Pipe(duplex=True)
+                self._commands[rank], self._controls[rank] = Channel(cmd_w), Channel(control)
             specs.append(RankSpec(payload=payload, env=env, sys_path=list(sys.path),
                                   cwd=os.getcwd(),
                                   start_method=multiprocessing.get_start_method(allow_none=True),
@@ -123,83 +147,59 @@ class RankSet:
         procs = dict(self._open_processes())
         return [procs[r].pid if r in procs else None for r in range(self.nprocs)]
 
-    # -- waiting --------------------------------------------------------------------------------
+    def relay_to(self, output) -> None:
+        """Where the ranks' output lines go from now on (see OutputRelay)."""
+        self.relay.mode = output
 
-    def wait(self, done: Callable[[], bool], deadline: float,
-             give_up: Callable[[Failure, bool], bool],
-             stalled: Callable[[], bool] | None = None) -> str:
-        """Relay output and collect reports until `done()` ("done"), the deadline ("timeout"),
-        a failure that `give_up(failure, settled)` accepts ("failed"), or, without any failure,
-        until `stalled()` says the ranks can make no progress ("stalled"). `settled` turns True
-        SETTLE_SECONDS after the first failure, when a root cause has had time to arrive."""
-        settle_at = None
-        while not done():
-            now = time.monotonic()
-            if now >= deadline:
-                return "timeout"
-            settling = settle_at if settle_at and settle_at > now else deadline
-            wake = min(deadline, settling, now + _POLL_SECONDS)
-            ready = multiprocessing.connection.wait(list(self.ends) + list(self._waiting),
-                                                    max(wake - now, 0))
-            self._handle(ready)
-            failure = self.first_failure()
-            if failure is not None:
-                settle_at = settle_at or time.monotonic() + SETTLE_SECONDS
-                if give_up(failure, time.monotonic() >= settle_at):
-                    return "failed"
-            elif stalled is not None and stalled():
-                return "stalled"
-        return "done"
+    # -- listening ------------------------------------------------------------------------------
 
-    def _handle(self, ready: list) -> None:
-        for conn in [o for o in ready if o in self.ends]:
+    def poll(self, until: float) -> None:
+        """Relay output, collect replies and reap exited ranks until something arrives or the
+        monotonic time `until`."""
+        ready = multiprocessing.connection.wait(list(self._ends) + list(self._waiting),
+                                                max(until - time.monotonic(), 0))
+        for conn in [o for o in ready if o in self._ends]:
             self._read(conn)
         for sentinel in [o for o in ready if o in self._waiting]:
             rank = self._waiting.pop(sentinel)
             proc = self.context.processes[rank]
             proc.join()
             self.exitcodes[rank] = proc.exitcode
-            self._drain_reports(rank)
+            self._drain_replies(rank)
 
     def _read(self, conn) -> None:
-        kind, rank = self.ends[conn]
+        kind, rank = self._ends[conn]
         if kind == "res":
-            self._read_report(conn, rank)
+            self._read_reply(conn, rank)
         else:
             self._read_output(conn, rank, kind)
 
-    def _read_report(self, conn, rank: int) -> None:
+    def _read_reply(self, channel: Channel, rank: int) -> None:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            reply = channel.recv()
         except (EOFError, OSError):
-            self._forget(conn)
+            self._forget(channel)
             return
-        except Exception as e:  # noqa: BLE001 - e.g. a class defined in a %%ranks cell
-            message = ("error", "UnpicklingError",
-                       f"the rank's result could not be rebuilt in this process: "
-                       f"{type(e).__name__}: {e}. Return plain data (numbers, strings, lists, "
-                       "dicts, tensors) instead of objects of classes defined on the ranks.", "")
-        if message[0] == "ok" or rank not in self.reports:
-            self.reports[rank] = message
+        except Unreadable as e:  # e.g. an object of a class defined in a %%ranks cell
+            reply = Error.unreadable_result(e.cause)
+        if not isinstance(reply, Error) or rank not in self._replies:
+            self._replies[rank] = reply  # a late Error never hides the reply that came first
 
     def _read_output(self, conn, rank: int, kind: str) -> None:
-        try:
-            data = os.read(conn.fileno(), 65536)
-        except OSError:
-            data = b""
+        data = _read_chunk(conn)
         if data:
             self.relay.feed(rank, kind, data)
         else:
             self._forget(conn)
 
     def _forget(self, conn) -> None:
-        del self.ends[conn]
+        del self._ends[conn]
         conn.close()
 
-    def _drain_reports(self, rank: int) -> None:
-        for conn, (kind, r) in list(self.ends.items()):
+    def _drain_replies(self, rank: int) -> None:
+        for conn, (kind, r) in list(self._ends.items()):
             if r == rank and kind == "res":
-                while conn in self.ends and conn.poll(0):
+                while conn in self._ends and conn.poll(0):
                     self._read(conn)
 
     def drain_output(self, seconds: float = 0.0) -> None:
@@ -207,7 +207,7 @@ class RankSet:
         that grace (output of finished ranks' workers)."""
         deadline = time.monotonic() + seconds
         while True:
-            outputs = [c for c, (kind, _) in self.ends.items() if kind != "res"]
+            outputs = [c for c, (kind, _) in self._ends.items() if kind != "res"]
             ready = multiprocessing.connection.wait(
                 outputs, max(deadline - time.monotonic(), 0)) if outputs else []
             if not ready:
@@ -215,22 +215,36 @@ class RankSet:
             for conn in ready:
                 self._read(conn)
 
-    def first_failure(self) -> Failure | None:
+    # -- what policy reads ----------------------------------------------------------------------
+
+    def replies(self) -> dict[int, Reply]:
+        """Each rank's reply to the current request (or, for launch, its function's result)."""
+        return dict(self._replies)
+
+    def answered(self, ranks: list[int]) -> bool:
+        """True once each of `ranks` has replied."""
+        return all(r in self._replies for r in ranks)
+
+    def finished(self) -> list[int]:
+        """The ranks whose reply is a success, in rank order."""
+        return sorted(r for r, reply in self._replies.items() if isinstance(reply, (Ok, Ready)))
+
+    def failure(self) -> Failure | None:
         """The root cause among the failures seen so far, or None."""
         candidates = []
-        for rank, report in self.reports.items():
-            if report[0] == "error":
-                knock_on = looks_like_peer_failure(report[1], report[2])
+        for rank, reply in self._replies.items():
+            if isinstance(reply, Error):
+                knock_on = looks_like_peer_failure(reply.type, reply.message)
                 candidates.append(Failure(Priority.KNOCK_ON if knock_on else Priority.ROOT_CAUSE,
-                                          rank, True))
+                                          rank, error=reply))
         for rank, code in self.exitcodes.items():
-            if rank not in self.reports or self.persistent or code != 0:
-                if self.reports.get(rank, ("",))[0] != "error":
+            if rank not in self._replies or self.persistent or code != 0:
+                if not isinstance(self._replies.get(rank), Error):
                     # gloo aborts a rank whose peer vanished mid-collective: a SIGABRT is most
                     # often a consequence, so a peer's SIGKILL or segfault is reported first.
                     aborted = code == -signal.SIGABRT
                     candidates.append(Failure(Priority.ABORTED if aborted else Priority.DIED,
-                                              rank, False))
+                                              rank, exitcode=code))
         return min(candidates, key=lambda f: (f.priority, f.rank)) if candidates else None
 
     def all_exited(self) -> bool:
@@ -243,26 +257,35 @@ class RankSet:
 
     # -- persistent ranks -----------------------------------------------------------------------
 
-    def send(self, rank: int, message: tuple) -> bool:
-        """Send a command to a persistent rank; False if its pipe is gone (the rank died)."""
+    def ask(self, ranks: list[int], command: Command | None, output) -> None:
+        """Begin a request: forget the last one's replies, relay output as `output` says, and
+        send `command` to each of `ranks` (None: wait for the ranks' Ready after start)."""
+        self._replies.clear()
+        self.relay_to(output)
+        if command is not None:
+            for r in ranks:
+                self.send(r, command)  # a dead rank shows up as its exit in poll()
+
+    def send(self, rank: int, command: Command) -> bool:
+        """Send a command to a persistent rank; False if its channel is gone (the rank died)."""
         try:
-            self.commands[rank].send_bytes(pickle.dumps(message))
+            self._commands[rank].send(command)
             return True
         except (OSError, ValueError):
             return False
 
-    def where(self, rank: int, timeout: float = 0.3) -> dict | None:
+    def where(self, rank: int, timeout: float = 0.3) -> Where | None:
         """Ask a persistent rank's control thread where its main thread is, or None if it does
         not answer in time (dead, or blocked in C++ code that holds the GIL)."""
-        conn = self.controls.get(rank)
-        if conn is None or not self.alive(rank):
+        channel = self._controls.get(rank)
+        if channel is None or not self.alive(rank):
             return None
         try:
-            while conn.poll(0):  # a late answer to an earlier question
-                conn.recv()
-            conn.send("where")
-            return conn.recv() if conn.poll(timeout) else None
-        except (OSError, EOFError, ValueError):
+            while channel.poll(0):  # a late answer to an earlier question
+                channel.recv()
+            channel.send(AskWhere())
+            return channel.recv() if channel.poll(timeout) else None
+        except (OSError, EOFError, ValueError, Unreadable):
             return None
 
     def dump_stacks(self, ranks: list[int], seconds: float = 1.0) -> dict[int, str]:
@@ -290,6 +313,21 @@ class RankSet:
         return {r: t.decode("utf-8", "replace") for r, t in texts.items()}
 
     # -- stopping -------------------------------------------------------------------------------
+
+    def shutdown(self, drain: float = 0.0) -> None:
+        """End the run and free everything: persistent ranks are first told to Stop (so they
+        destroy their groups) and given a moment; then the lifeline closes, whatever is left is
+        killed, `drain` seconds of late output are relayed, and every channel is closed."""
+        if self.persistent and not self.stopped:
+            for r in range(self.nprocs):
+                if self.alive(r):
+                    self.send(r, Stop())
+            self.reap(_REAP_SECONDS)
+        self.close_lifeline()
+        self.stop()
+        self.drain_output(drain)
+        self.relay.flush()
+        self.close()
 
     def stop(self) -> None:
         """SIGKILL every rank's process group (the rank and its workers); reap the ranks."""
@@ -325,13 +363,13 @@ class RankSet:
         if self._lifeline is not None:
             self._lifeline.close()
             self._lifeline = None
-        for conn in [*self.ends, *self.commands.values(), *self.controls.values(),
+        for conn in [*self._ends, *self._commands.values(), *self._controls.values(),
                      *self._stack_ends.values()]:
             with contextlib.suppress(OSError):
                 conn.close()
-        self.ends.clear()
-        self.commands.clear()
-        self.controls.clear()
+        self._ends.clear()
+        self._commands.clear()
+        self._controls.clear()
         self._stack_ends.clear()
         for path in getattr(self.context, "error_files", []) or []:
             with contextlib.suppress(FileNotFoundError, TypeError):
