@@ -38,7 +38,8 @@ def face(package: str) -> frozenset[str]:
         return frozenset()
     tree = ast.parse(init.read_text())
     return frozenset(alias.asname or alias.name for node in tree.body
-                     if isinstance(node, ast.ImportFrom) for alias in node.names)
+                     if isinstance(node, ast.ImportFrom) and node.module  # not `from . import m`
+                     for alias in node.names)
 
 
 def imported(source: str, module: str, package: bool = False) -> set[str]:
@@ -84,6 +85,17 @@ def test_lessons_and_plots_use_the_public_api_and_the_teaching_library():
     assert not bad, ("a lesson reaches into the engine; use the public API instead "
                      "(`import ddp_helpers as dh`, or `from ddp_helpers import launch`):\n"
                      + "\n".join(bad))
+
+
+def test_a_lesson_imports_no_other_lesson_and_a_plot_only_its_own():
+    def rule(own: str | None):
+        return lambda name: not within(name, "ddp_helpers.lessons") or name == own
+
+    bad = [v for p in sources("lessons") for v in violations([p], rule(None))]
+    bad += [v for p in sources("plots")
+            for v in violations([p], rule(f"ddp_helpers.lessons.{p.stem}"))]
+    assert not bad, ("a helper two lessons share belongs in the teaching library (data, models, "
+                     "training, collectives, torchrun, ...):\n" + "\n".join(bad))
 
 
 def test_the_engine_imports_only_itself_and_the_rank_side_of_the_library():

@@ -155,10 +155,6 @@ _HINTS = [
      "the rank that did not arrive."),
 ]
 
-_PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe",
-                 "distbackenderror", "timed out", "keyboardinterrupt")
-
-
 def hint(exc_type: str, message: str) -> str:
     """A "What to do" line for errors whose usual cause is known, else ""."""
     text = f"{exc_type} {message}".lower()
@@ -166,12 +162,6 @@ def hint(exc_type: str, message: str) -> str:
         if any(n in text for n in needles):
             return "\nWhat to do: " + advice
     return ""
-
-
-def looks_like_peer_failure(exc_type: str, message: str) -> bool:
-    """An error a rank raises because another rank failed first (not the root cause)."""
-    text = f"{exc_type} {message}".lower()
-    return any(s in text for s in _PEER_FAILURE)
 
 
 def finished_note(done: list[int] | None) -> str:

@@ -10,7 +10,8 @@ import time
 from .errors import LaunchError, LaunchTimeout, RankDied, RankRaised
 from .options import check_launch
 from .protocol import Ok
-from .supervisor import DRAIN_SECONDS, RankSet, free_port
+from .start import free_port
+from .supervisor import DRAIN_SECONDS, RankSet
 from .watch import Outcome, give_up_once_settled, wait
 
 

@@ -23,7 +23,8 @@ from .census import pid_alive
 from .errors import LaunchError, LaunchRefused, LaunchTimeout, RankDied, RankRaised
 from .options import check_cell, check_pool, check_push
 from .protocol import Push, Ready, RunCell, Where
-from .supervisor import Failure, RankSet, free_port
+from .start import free_port
+from .supervisor import Failure, RankSet
 from .watch import STALL_SECONDS, CellWatch, Outcome, give_up_once_settled, wait
 
 _current: Ranks | None = None  # the pool `%%ranks` cells and dh.check(...) use

@@ -14,28 +14,35 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
 
 import torch.multiprocessing as tmp
 
-from .errors import looks_like_peer_failure
+from .pipes import RankPipes, read_chunk, read_stack_dumps
 from .protocol import AskWhere, Channel, Command, Error, Ok, Ready, Reply, Stop, Unreadable, Where
-from .rank_entry import RankSpec, rank_entry
+from .rank_entry import rank_entry
 from .relay import OutputRelay
+from .start import inherited_env, prepare_start_server, rendezvous_env
 
-_PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data",
-            "numpy", "torchvision", "ddp_helpers.engine.rank_entry",
-            "ddp_helpers.engine.cell_server"]
 DRAIN_SECONDS = 1.0  # how long output from finished ranks may keep arriving (their workers)
 _REAP_SECONDS = 2.0  # how long persistent ranks told to Stop may take to leave on their own
+
+
+# Words of the errors a rank raises because a peer failed first, not because of its own fault.
+_PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe",
+                 "distbackenderror", "timed out", "keyboardinterrupt")
+
+
+def looks_like_peer_failure(exc_type: str, message: str) -> bool:
+    """An error a rank raises because another rank failed first (not the root cause)."""
+    text = f"{exc_type} {message}".lower()
+    return any(s in text for s in _PEER_FAILURE)
 
 
 class Priority(enum.IntEnum):
@@ -61,20 +68,6 @@ class Failure:
         return self.error is not None
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now, chosen by the kernel."""
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def rendezvous_env(nprocs: int, port: int) -> dict[str, str]:
-    """What env:// needs on every rank of a run on this machine (RANK and LOCAL_RANK are set
-    by each rank itself)."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs)}
-
-
 class RankSet:
     """The processes of one run: their channels, what they replied and how they exited.
 
@@ -92,14 +85,10 @@ class RankSet:
         self.exitcodes: dict[int, int] = {}
         self.context = None
         self.stopped = False
+        self.pipes = RankPipes(self.ctx, nprocs, persistent)
         self._replies: dict[int, Reply] = {}
-        self._ends: dict = {}  # our read ends (pipes, reply channels) -> (kind, rank)
-        self._commands: dict[int, Channel] = {}
-        self._controls: dict[int, Channel] = {}
-        self._lifeline = None
         self._waiting: dict = {}  # process sentinel -> rank, for ranks not yet exited
         self._closed: set[int] = set()  # ranks whose Process object was closed after reaping
-        self._stack_ends: dict[int, object] = {}  # rank -> read end of its faulthandler pipe
 
     # -- starting -------------------------------------------------------------------------------
 
@@ -107,39 +96,16 @@ class RankSet:
         """Start every rank on `payload` (a pickled (fn, args)) with the caller's environment,
         `env` and the rendezvous on `port`, relaying their output as `output` says."""
         self.relay_to(output)
-        _prepare_start_server(self.start_method)
+        prepare_start_server(self.start_method)
         env = {**os.environ, **env, **rendezvous_env(self.nprocs, port)}
-        specs = self._pipes(payload, env)
+        specs = self.pipes.specs(payload=payload, env=env, sys_path=list(sys.path),
+                                 cwd=os.getcwd(),
+                                 start_method=multiprocessing.get_start_method(allow_none=True))
         with inherited_env(env if self.start_method == "spawn" else None):
             self.context = tmp.start_processes(rank_entry, args=(specs,), nprocs=self.nprocs,
                                                join=False, start_method=self.start_method)
-        for spec in specs:  # the ranks hold these now; our copies would hide EOF
-            for conn in spec.child_ends():
-                conn.close()
+        self.pipes.handed_over(specs)
         self._waiting = {p.sentinel: r for r, p in enumerate(self.context.processes)}
-
-    def _pipes(self, payload: bytes, env: dict) -> list[RankSpec]:
-        lifeline_r, self._lifeline = self.ctx.Pipe(duplex=False)
-        specs = []
-        for rank in range(self.nprocs):
-            out_r, out_w = self.ctx.Pipe(duplex=False)
-            err_r, err_w = self.ctx.Pipe(duplex=False)
-            res_r, res_w = self.ctx.Pipe(duplex=False)
-            stk_r, stk_w = self.ctx.Pipe(duplex=False)
-            self._ends.update({out_r: ("out", rank), err_r: ("err", rank),
-                               Channel(res_r): ("res", rank)})
-            self._stack_ends[rank] = stk_r
-            cmd_r = control_child = None
-            if self.persistent:
-                cmd_r, cmd_w = self.ctx.Pipe(duplex=False)
-                control, control_child = self.ctx.Pipe(duplex=True)
-                self._commands[rank], self._controls[rank] = Channel(cmd_w), Channel(control)
-            specs.append(RankSpec(payload=payload, env=env, sys_path=list(sys.path),
-                                  cwd=os.getcwd(),
-                                  start_method=multiprocessing.get_start_method(allow_none=True),
-                                  out=out_w, err=err_w, result=res_w, lifeline=lifeline_r,
-                                  stacks=stk_w, commands=cmd_r, control=control_child))
-        return specs
 
     @property
     def pids(self) -> list[int | None]:
@@ -156,9 +122,9 @@ class RankSet:
     def poll(self, until: float) -> None:
         """Relay output, collect replies and reap exited ranks until something arrives or the
         monotonic time `until`."""
-        ready = multiprocessing.connection.wait(list(self._ends) + list(self._waiting),
+        ready = multiprocessing.connection.wait(list(self.pipes.readers) + list(self._waiting),
                                                 max(until - time.monotonic(), 0))
-        for conn in [o for o in ready if o in self._ends]:
+        for conn in [o for o in ready if o in self.pipes.readers]:
             self._read(conn)
         for sentinel in [o for o in ready if o in self._waiting]:
             rank = self._waiting.pop(sentinel)
@@ -168,7 +134,7 @@ class RankSet:
             self._drain_replies(rank)
 
     def _read(self, conn) -> None:
-        kind, rank = self._ends[conn]
+        kind, rank = self.pipes.readers[conn]
         if kind == "res":
             self._read_reply(conn, rank)
         else:
@@ -178,7 +144,7 @@ class RankSet:
         try:
             reply = channel.recv()
         except (EOFError, OSError):
-            self._forget(channel)
+            self.pipes.forget(channel)
             return
         except Unreadable as e:  # e.g. an object of a class defined in a %%ranks cell
             reply = Error.unreadable_result(e.cause)
@@ -186,20 +152,16 @@ class RankSet:
             self._replies[rank] = reply  # a late Error never hides the reply that came first
 
     def _read_output(self, conn, rank: int, kind: str) -> None:
-        data = _read_chunk(conn)
+        data = read_chunk(conn)
         if data:
             self.relay.feed(rank, kind, data)
         else:
-            self._forget(conn)
-
-    def _forget(self, conn) -> None:
-        del self._ends[conn]
-        conn.close()
+            self.pipes.forget(conn)
 
     def _drain_replies(self, rank: int) -> None:
-        for conn, (kind, r) in list(self._ends.items()):
+        for conn, (kind, r) in list(self.pipes.readers.items()):
             if r == rank and kind == "res":
-                while conn in self._ends and conn.poll(0):
+                while conn in self.pipes.readers and conn.poll(0):
                     self._read(conn)
 
     def drain_output(self, seconds: float = 0.0) -> None:
@@ -207,7 +169,7 @@ class RankSet:
         that grace (output of finished ranks' workers)."""
         deadline = time.monotonic() + seconds
         while True:
-            outputs = [c for c, (kind, _) in self._ends.items() if kind != "res"]
+            outputs = [c for c, (kind, _) in self.pipes.readers.items() if kind != "res"]
             ready = multiprocessing.connection.wait(
                 outputs, max(deadline - time.monotonic(), 0)) if outputs else []
             if not ready:
@@ -269,7 +231,7 @@ class RankSet:
     def send(self, rank: int, command: Command) -> bool:
         """Send a command to a persistent rank; False if its channel is gone (the rank died)."""
         try:
-            self._commands[rank].send(command)
+            self.pipes.commands[rank].send(command)
             return True
         except (OSError, ValueError):
             return False
@@ -277,7 +239,7 @@ class RankSet:
     def where(self, rank: int, timeout: float = 0.3) -> Where | None:
         """Ask a persistent rank's control thread where its main thread is, or None if it does
         not answer in time (dead, or blocked in C++ code that holds the GIL)."""
-        channel = self._controls.get(rank)
+        channel = self.pipes.controls.get(rank)
         if channel is None or not self.alive(rank):
             return None
         try:
@@ -296,21 +258,8 @@ class RankSet:
             if pid is not None and self.alive(r):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGUSR1)
-        texts = {r: b"" for r in ranks}
-        pending = {self._stack_ends[r]: r for r in ranks if r in self._stack_ends}
-        deadline = time.monotonic() + seconds
-        while pending and time.monotonic() < deadline:
-            # Once every rank has written something, a quiet 0.1 s means the dumps are complete.
-            quiet = 0.1 if all(texts.values()) else deadline - time.monotonic()
-            ready = multiprocessing.connection.wait(list(pending), max(quiet, 0))
-            if not ready and all(texts.values()):
-                break
-            for conn in ready:
-                chunk = _read_chunk(conn)
-                texts[pending[conn]] += chunk
-                if not chunk:  # EOF: the rank is gone
-                    del pending[conn]
-        return {r: t.decode("utf-8", "replace") for r, t in texts.items()}
+        return read_stack_dumps({r: self.pipes.stacks[r] for r in ranks if r in self.pipes.stacks},
+                                seconds) | {r: "" for r in ranks if r not in self.pipes.stacks}
 
     # -- stopping -------------------------------------------------------------------------------
 
@@ -360,55 +309,11 @@ class RankSet:
 
     def close(self) -> None:
         """Close every pipe we hold (after stop) and remove torch's error files."""
-        if self._lifeline is not None:
-            self._lifeline.close()
-            self._lifeline = None
-        for conn in [*self._ends, *self._commands.values(), *self._controls.values(),
-                     *self._stack_ends.values()]:
-            with contextlib.suppress(OSError):
-                conn.close()
-        self._ends.clear()
-        self._commands.clear()
-        self._controls.clear()
-        self._stack_ends.clear()
+        self.pipes.close()
         for path in getattr(self.context, "error_files", []) or []:
             with contextlib.suppress(FileNotFoundError, TypeError):
                 os.unlink(path)
 
     def close_lifeline(self) -> None:
         """Tell the ranks the parent is done with them: each then kills its process group."""
-        if self._lifeline is not None:
-            self._lifeline.close()
-            self._lifeline = None
-
-
-def _read_chunk(conn) -> bytes:
-    try:
-        return os.read(conn.fileno(), 65536)
-    except OSError:
-        return b""
-
-
-def _prepare_start_server(start_method: str) -> None:
-    if start_method == "forkserver":
-        present = [m for m in _PRELOAD if importlib.util.find_spec(m.split(".")[0])]
-        multiprocessing.get_context("forkserver").set_forkserver_preload(present)
-
-
-@contextlib.contextmanager
-def inherited_env(env: dict | None):
-    """Set `env` as os.environ for the block, then restore the caller's environment exactly.
-
-    With spawn, each rank's interpreter imports torch before rank_entry runs, so variables torch
-    reads at import (TORCH_CPP_LOG_LEVEL) must be in the environment it is started with."""
-    if env is None:
-        yield
-        return
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        self.pipes.close_lifeline()
