@@ -53,6 +53,14 @@ def case(label: str, got, expected, rtol: float = 1e-5, atol: float = 1e-6) -> C
                               f"{exp_t.flatten()[i].item():.6g}")
 
 
+def pair_cases(answer, expected: tuple, what: str, labels: tuple[str, str]) -> list[Case]:
+    """The cases of a predicted pair: one per element under `labels`, or, for an answer that is
+    no pair, one case saying so ("the answer is a pair (`what`)")."""
+    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
+        return [case(f"the answer is a pair ({what})", answer, expected)]
+    return [case(label, got, want) for label, got, want in zip(labels, answer, expected)]
+
+
 def _as_tensor(x) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().cpu()

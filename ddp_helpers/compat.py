@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib
 import inspect
 from collections.abc import Callable
 
@@ -113,27 +114,26 @@ def init_accepts_device_id() -> bool:
 @functools.cache
 def fsdp2_fully_shard() -> Callable | None:
     """FSDP2's fully_shard (torch.distributed.fsdp; earlier under _composable.fsdp), or None."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp import fully_shard
-        except ImportError:
-            return None
-    return fully_shard
+    return _first_found("fully_shard", "torch.distributed.fsdp",
+                        "torch.distributed._composable.fsdp")
 
 
 @functools.cache
 def comm_debug_mode() -> type | None:
     """CommDebugMode, the context manager that counts collectives (public since DTensor's move)."""
-    try:
-        from torch.distributed.tensor.debug import CommDebugMode
-    except ImportError:
+    return _first_found("CommDebugMode", "torch.distributed.tensor.debug",
+                        "torch.distributed._tensor.debug")
+
+
+def _first_found(name: str, *modules: str):
+    """`name` from the first of `modules` that has it (torch moves APIs out of _private
+    modules over releases), or None."""
+    for module in modules:
         try:
-            from torch.distributed._tensor.debug import CommDebugMode
-        except ImportError:
-            return None
-    return CommDebugMode
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
 @functools.cache

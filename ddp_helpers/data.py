@@ -14,8 +14,6 @@ import hashlib
 import http.client
 import math
 import os
-import shutil
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -30,6 +28,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchvision.datasets import MNIST
 
 from . import digits
+from .files import replaced_folder, write_atomic
 
 ROOT_ENV = "DDP_HELPERS_DATA"  # where data/ is, if not the repo's own
 MIRROR_ENV = "DDP_HELPERS_MNIST_MIRROR"  # comma-separated base URLs tried instead of torchvision's
@@ -185,7 +184,7 @@ def _mnist_on_disk(raw: Path) -> bool:
             gz = raw / f"{n}.gz"
             data = _gunzip_bytes(gz.read_bytes(), str(gz), _fix_on_disk(gz))
             _check_idx(n, data, gz, _fix_on_disk(gz))
-            _write_atomic(raw / n, data)
+            write_atomic(raw / n, data)
         else:
             _check_idx(n, (raw / n).read_bytes(), raw / n, fix=_fix_on_disk(raw / n))
     return True
@@ -205,17 +204,10 @@ def _download_mnist(raw: Path, verbose: bool) -> str | None:
             if isinstance(got, str):
                 return got
             files[name] = got
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".raw-", dir=raw.parent))
-    try:  # all four or nothing: a half-written raw/ would look like MNIST next time
+    with replaced_folder(raw) as tmp:  # all four or nothing
         for name, gz in files.items():
             (tmp / f"{name}.gz").write_bytes(gz)
             (tmp / name).write_bytes(gzip.decompress(gz))
-        if raw.exists():
-            shutil.rmtree(raw)
-        os.replace(tmp, raw)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return None
 
 
@@ -280,12 +272,6 @@ def _check_idx(name: str, data: bytes, where, fix: str) -> None:
         raise MNISTFileError(f"{where} is not a valid MNIST file: {problem}. Fix: {fix}.")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def mnist_dataset(source: DataSource, train: bool = True, transform=None) -> Dataset:
     """The torchvision dataset (per-sample PIL images through `transform`), as the listing uses."""
     return source.dataset_class(source.root, train=train, transform=transform, download=False)
@@ -298,6 +284,14 @@ def mnist_tensors(source: DataSource, train: bool = True,
     # The same arithmetic as ToTensor() then Normalize((0.5,), (0.5,)), so values match bit for bit.
     x = ds.data.to(torch.float32).div(255).sub(MEAN).div(STD).unsqueeze(1)
     return x.to(device), ds.targets.to(torch.int64).to(device)
+
+
+def rank_share(batch: tuple[torch.Tensor, ...], rank: int, world_size: int,
+               device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """Rank `rank`'s equal, contiguous share of each tensor of a global batch (what a sampler
+    would hand it), on its device: every rank rebuilds the same batch and keeps its part."""
+    per_rank = batch[0].shape[0] // world_size
+    return tuple(t[rank * per_rank:(rank + 1) * per_rank].to(device) for t in batch)
 
 
 def shard_indices(n: int, rank: int, world_size: int, epoch: int = 0, shuffle: bool = True,

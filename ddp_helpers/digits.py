@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from .files import replaced_folder
 
 GENERATOR_VERSION = 1  # bump when the images change, so stale files on disk are regenerated
 N_TRAIN, N_TEST = 60_000, 10_000
@@ -204,21 +203,13 @@ def gzip_bytes(data: bytes) -> bytes:
 
 def write_raw_folder(raw: Path, splits: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
     """Write MNIST's four files, .gz and extracted (as torchvision leaves them), atomically."""
-    raw = Path(raw)
-    raw.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".raw-", dir=raw.parent))
-    try:
+    with replaced_folder(raw) as tmp:
         for split, arrays in splits.items():
             for name, array in zip(FILES[split], arrays, strict=True):
                 data = idx_bytes(array)
                 (tmp / name).write_bytes(data)
                 (tmp / f"{name}.gz").write_bytes(gzip_bytes(data))
         (tmp / "VERSION").write_text(f"offline digits v{GENERATOR_VERSION}\n")
-        if raw.exists():  # an older version: replace it whole
-            shutil.rmtree(raw)
-        os.replace(tmp, raw)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_offline_digits(raw: Path) -> None:

@@ -118,8 +118,7 @@ def _run(ex: Exercise, answer: object, pool) -> list[Case]:
 
 
 def _run_on_ranks(ex: Exercise, pool) -> list[Case]:
-    from .errors import LaunchError
-    from .ranks import current
+    from .engine import LaunchError, current
 
     pool = pool or current()
     if pool is None or not pool.running:

@@ -260,9 +260,3 @@ def rank_zero_first() -> Iterator[bool]:
     yield is_zero
     if is_zero:  # not on error: the launcher stops the waiting ranks instead
         dist.barrier()
-
-
-def print0(*args, **kwargs) -> None:
-    """print on rank 0 only (or when there is no process group)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)

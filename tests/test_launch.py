@@ -13,7 +13,7 @@ import rank_fns
 from conftest import rank_processes, wait_no_rank_processes
 
 import ddp_helpers as dh
-from ddp_helpers.tracebacks import main_thread_stack
+from ddp_helpers.engine.tracebacks import main_thread_stack
 
 # A launch that must hang: long enough for both ranks to start and print on a loaded machine.
 HANG_TIMEOUT = 15
@@ -158,7 +158,7 @@ def test_timeout_shows_where_each_rank_was(no_leftovers):
     assert "in rank_one_skips_barrier" in stacks[0] and "inside torch: barrier" in stacks[0]
     assert "in rank_one_skips_barrier" in stacks[1] and "inside torch" not in stacks[1]
     assert "Where each rank was when it was stopped" in str(e.value)
-    assert "_rank.py" not in str(e.value)  # the kit's plumbing is left out
+    assert "rank_entry.py" not in str(e.value)  # the kit's plumbing is left out
 
 
 # faulthandler's dump of a rank that hung after its function returned, while freeing the DDP
@@ -168,11 +168,11 @@ RETURNED_DUMP = """Thread 0x00007f701b7fe6c0 (most recent call first):
 
 Thread 0x00007f70307ff6c0 (most recent call first):
   File "/usr/lib/python3.11/multiprocessing/connection.py", line 395 in _recv
-  File "/kit/ddp_helpers/_rank.py", line 116 in watch
+  File "/kit/ddp_helpers/engine/rank_entry.py", line 116 in watch
   File "/usr/lib/python3.11/threading.py", line 982 in run
 
 Current thread 0x00007f714148ab80 (most recent call first):
-  File "/kit/ddp_helpers/_rank.py", line 82 in rank_entry
+  File "/kit/ddp_helpers/engine/rank_entry.py", line 82 in rank_entry
   File "/venv/lib/python3.11/site-packages/torch/multiprocessing/spawn.py", line 95 in _wrap
   File "/usr/lib/python3.11/multiprocessing/process.py", line 108 in run
 """

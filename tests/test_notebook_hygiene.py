@@ -21,10 +21,9 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # (/work/), an installed package's folder. The lookbehind spares relative paths (runs/tmp/, ./tmp/).
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:home|root|Users|tmp|work)/|[A-Za-z]:\\+Users\\+"
                           r"|site-packages|dist-packages")
-# The launcher's own modules: a relayed rank traceback may show a lesson's or the learner's
+# The engine's own modules: a relayed rank traceback may show a lesson's or the learner's
 # frames, never these.
-LAUNCHER_FILE = re.compile(r"ddp_helpers[/\\](?:launch|launch_checks|_rank|_rank_server|"
-                           r"supervisor|relay|tracebacks|census|errors|ranks)\.py")
+LAUNCHER_FILE = re.compile(r"ddp_helpers[/\\]engine[/\\]\w+\.py")
 # IPython's own frame lines ("File .../ddp_helpers/launch.py:62, in launch(...)") in an `error`
 # output: an error raised on purpose renders as the kit's message alone. A rank's stack quoted in
 # that message ('File "ddp_helpers/lessons/x.py", line 3') is the lesson's code and may stay.
@@ -100,14 +99,15 @@ def test_scanner_names_cell_kind_and_text(tmp_path):
     path = _notebook(tmp_path, [
         {"output_type": "stream", "name": "stdout", "text": ["data in /home/ada/kit/data\n"]},
         {"output_type": "error", "ename": "RankRaised", "evalue": "rank 1 raised",
-         "traceback": ["\x1b[0;32mFile \x1b[0;32m~/kit/ddp_helpers/launch.py:62\x1b[0m, in x"]},
+         "traceback": ["\x1b[0;32mFile \x1b[0;32m~/kit/ddp_helpers/engine/launch.py:62\x1b[0m, "
+                       "in x"]},
         {"output_type": "execute_result",
          "data": {"text/plain": "'/opt/venv/lib/python3.11/site-packages/torch'",
                   "image/png": "iVBORw0KGgo/home/"}},
     ])
     found = findings(path)
     assert found[0].startswith("nb.ipynb cell 1 (stream): machine path: ...data in /home/")
-    assert any("(traceback): launcher frame" in f and "ddp_helpers/launch.py:62" in f
+    assert any("(traceback): launcher frame" in f and "ddp_helpers/engine/launch.py:62" in f
                for f in found)
     assert any("(traceback): kit frame in a traceback" in f for f in found)
     assert any("(text/plain): machine path" in f and "site-packages" in f for f in found)

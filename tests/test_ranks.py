@@ -13,7 +13,7 @@ import pytest
 from conftest import wait_no_rank_processes
 
 import ddp_helpers as dh
-from ddp_helpers.census import pid_alive
+from ddp_helpers.engine.census import pid_alive
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_a_rank_that_raises_is_named_and_every_rank_keeps_its_state(pool):
     text = str(e.value)
     assert "every rank keeps its state" in text
     assert 'File "<cell 2>", line 2' in text and "raise ValueError('bad batch')" in text
-    assert "_rank_server" not in text and "supervisor" not in text  # no kit frames
+    assert "cell_server" not in text and "supervisor" not in text  # no kit frames
     assert pool.get("kept") == [0, 10]
 
 

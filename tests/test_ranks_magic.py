@@ -4,7 +4,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import ddp_helpers as dh
-from ddp_helpers import ranks as ranks_module
+from ddp_helpers.engine import ranks as ranks_module
 
 
 @pytest.fixture

@@ -19,9 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import clean_error_text
 from ..checks import Case, case
 from ..exercises import exercise_check, require
-from ..tracebacks import clean_error_text
 
 LINES = 5  # lines in the prepared file, plus a final "END" line that marks it complete
 

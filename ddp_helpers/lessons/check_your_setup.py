@@ -18,9 +18,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ddp_helpers import launch
 from ddp_helpers.checks import case
 from ddp_helpers.exercises import exercise_check, require
-from ddp_helpers.launch import launch
 from ddp_helpers.runtime import available_backends, choose_backend, gpu_count, process_group
 
 DIST = "ddp-helpers"  # the kit's distribution name, whose metadata states its floors

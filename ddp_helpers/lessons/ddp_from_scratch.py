@@ -9,7 +9,6 @@ Everything returned to the parent is plain data (lists, dicts, floats, CPU tenso
 from __future__ import annotations
 
 import statistics
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import compat
 from ..checks import Case, case
+from ..collectives import count_collectives
+from ..data import rank_share
 from ..exercises import NotAttempted, exercise_check, require, solution_module
 from ..models import flat_params
 from ..runtime import device_ids
@@ -77,9 +77,7 @@ def global_batch(step: int, size: int = BATCH, vocab: int = 32) -> tuple[torch.T
 def rank_batch(step: int, rank: int, world_size: int, device: torch.device,
                size: int = BATCH, vocab: int = 32) -> tuple[torch.Tensor, ...]:
     """Rank `rank`'s equal share of step `step`'s batch, on its device."""
-    per_rank = size // world_size
-    return tuple(t[rank * per_rank:(rank + 1) * per_rank].to(device)
-                 for t in global_batch(step, size, vocab))
+    return rank_share(global_batch(step, size, vocab), rank, world_size, device)
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -163,28 +161,6 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 # ---------------------------------------------------------------- training and counting
-
-
-def count_collectives(work: Callable[[], object]) -> dict[str, int]:
-    """Run work() under torch's CommDebugMode; return {collective: calls}, e.g.
-    {"all_reduce": 6}. CommDebugMode sees torch.distributed's ops and DDP's C++ reducer alike."""
-    mode_class = compat.comm_debug_mode()
-    if mode_class is None:  # present on every torch the kit supports; said plainly if not
-        raise RuntimeError("this torch has no CommDebugMode, so collectives cannot be counted")
-    mode = mode_class()
-    with mode:
-        work()
-    counts: Counter = Counter()
-    for op, n in mode.get_comm_counts().items():
-        counts[_op_name(op)] += n
-    return dict(sorted(counts.items()))
-
-
-def _op_name(op) -> str:
-    """'c10d.allreduce_' or '_c10d_functional.all_reduce' -> 'all_reduce'; 'broadcast' etc."""
-    name = str(op).split(".")[-1].strip("_").replace("_base", "")
-    return {"allreduce": "all_reduce", "allgather": "all_gather",
-            "allgather_into_tensor": "all_gather"}.get(name, name)
 
 
 def train(version: Version, rank: int, world_size: int, device: torch.device,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from ..checks import Case, case
+from ..data import rank_share
 from ..exercises import exercise_check, require
 from ..models import flat_params
 
@@ -40,17 +41,10 @@ def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def rank_slice(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank r's contiguous share of a batch (what a sampler would hand it)."""
-    per_rank = x.shape[0] // world_size
-    return x[rank * per_rank:(rank + 1) * per_rank]
-
-
 def rank_batch(step: int, size: int, rank: int, world_size: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of step `step`'s global batch of `size` samples, on its device."""
-    x, y = global_batch(step, size)
-    return rank_slice(x, rank, world_size).to(device), rank_slice(y, rank, world_size).to(device)
+    return rank_share(global_batch(step, size), rank, world_size, device)
 
 
 def flat_grads(model: nn.Module) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ddp_helpers as dh
-from ddp_helpers.checks import case
+from ddp_helpers.checks import case, pair_cases
 from ddp_helpers.data import DataSource, ShardedBatches, mnist_tensors, prepare_data
 from ddp_helpers.exercises import exercise_check, require
 from ddp_helpers.models import build_model, flat_params, param_count, seed_model
@@ -373,7 +373,5 @@ ALLREDUCE_CALLS = (40, 80)  # 100 steps / 5 = 20 averages, x2 tensors (seed) or 
 @exercise_check("allreduce_calls", "prediction", wrong_answer=(20, 20))
 def check_allreduce_calls(answer) -> list:
     """(calls for the seed model, calls for MLP 784-64-10) averaging every 5 of 100 steps."""
-    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
-        return [case("the answer is a pair (seed model, MLP)", answer, ALLREDUCE_CALLS)]
-    return [case("seed model: Linear(784, 10)", answer[0], ALLREDUCE_CALLS[0]),
-            case("MLP 784-64-10", answer[1], ALLREDUCE_CALLS[1])]
+    return pair_cases(answer, ALLREDUCE_CALLS, "seed model, MLP",
+                      ("seed model: Linear(784, 10)", "MLP 784-64-10"))

@@ -30,7 +30,7 @@ from torchvision.datasets import MNIST as TorchvisionMNIST
 
 import ddp_helpers as dh
 from ddp_helpers import digits, models, training
-from ddp_helpers.checks import case
+from ddp_helpers.checks import case, pair_cases
 from ddp_helpers.data import DataSource, ShardedBatches, mnist_tensors, prepare_data
 from ddp_helpers.exercises import exercise_check, require
 from ddp_helpers.runtime import BACKEND_VAR, let_gloo_threads_finish, usable_cores
@@ -574,7 +574,5 @@ LINES_PRINTED = (4 * 938, 4 * 235)  # 4 ranks x ceil(60000/64); with the sampler
 @exercise_check("lines_printed", "prediction", wrong_answer=(938, 235))
 def check_lines_printed(answer) -> list:
     """(lines without the sampler, lines with it) for 4 ranks, one epoch of all 60,000 images."""
-    if not isinstance(answer, (tuple, list)) or len(answer) != 2:
-        return [case("the answer is a pair (without, with the sampler)", answer, LINES_PRINTED)]
-    return [case("lines without the sampler (4 ranks)", answer[0], LINES_PRINTED[0]),
-            case("lines with the sampler (4 ranks)", answer[1], LINES_PRINTED[1])]
+    return pair_cases(answer, LINES_PRINTED, "without, with the sampler",
+                      ("lines without the sampler (4 ranks)", "lines with the sampler (4 ranks)"))

@@ -28,13 +28,11 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import models, timing
+from .. import clean_error_text, launch, models, timing
 from ..checks import case
 from ..exercises import exercise_check, require
-from ..launch import launch
 from ..runtime import device_ids, gpu_count, process_group
-from ..tracebacks import clean_error_text
-from .beyond_one_machine import torchrun_agents  # noqa: F401 - the notebook's torchrun
+from ..torchrun import torchrun_agents  # noqa: F401 - the notebook's torchrun
 
 PHASES = ("data", "forward", "backward", "all-reduce wait", "optimizer")
 GRAD_NUMEL = 7850  # the seed model's gradient: what each step of `uneven_batches` all-reduces

@@ -21,9 +21,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import compat
 from ..checks import Case, case
+from ..collectives import count_collectives
+from ..data import rank_share
 from ..exercises import NotAttempted, exercise_check, require, solution_module
 from ..runtime import device_ids
-from .ddp_from_scratch import count_collectives
 
 IN, WIDTH, BLOCKS, CLASSES = 32, 128, 3, 10
 BATCH, STEPS, LR = 16, 20, 3e-3  # per rank; Adam
@@ -63,8 +64,7 @@ def samples(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def rank_batch(step: int, rank: int, world_size: int, device: torch.device,
                size: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's `size` samples of step `step` (the global batch is size x world_size)."""
-    x, y = samples(10_000 + step, size * world_size)
-    return x[rank * size:(rank + 1) * size].to(device), y[rank * size:(rank + 1) * size].to(device)
+    return rank_share(samples(10_000 + step, size * world_size), rank, world_size, device)
 
 
 def param_count(model: nn.Module) -> int:

@@ -24,12 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddp_helpers import RankRaised, clean_traceback, free_port, launch, looks_like_peer_failure
 from ddp_helpers.checks import Case, case
-from ddp_helpers.errors import RankRaised
 from ddp_helpers.exercises import exercise_check, require
-from ddp_helpers.launch import free_port, launch
 from ddp_helpers.runtime import process_group
-from ddp_helpers.tracebacks import clean_traceback
 
 RENDEZVOUS_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",
@@ -38,8 +36,6 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",
                  "TORCHELASTIC_MAX_RESTARTS")
 # Values that change from run to run; shown as a description so printed tables stay comparable.
 VARYING = {"MASTER_PORT": "(a free port)", "TORCHELASTIC_RUN_ID": "(a fresh id)"}
-# Words of the errors a rank raises because a peer failed first, not because of its own fault.
-KNOCK_ON_WORDS = ("connection reset", "connection closed", "timed out")
 
 
 def rank_environment(rank: int, world_size: int) -> dict:
@@ -210,8 +206,8 @@ def join_like_spawn(context, grace_seconds: float) -> None:
 
 def knock_on(message: str) -> bool:
     """True for an error a rank raises because a peer failed first (the connection to it
-    closed, or a wait for it timed out)."""
-    return any(word in message.lower() for word in KNOCK_ON_WORDS)
+    closed, or a wait for it timed out): the rule dh.launch itself uses to find the root cause."""
+    return looks_like_peer_failure("", message)
 
 
 def readable(error: BaseException) -> str:

@@ -1,4 +1,6 @@
-"""Refusals `launch` makes before starting anything: each message says what to do instead."""
+"""Every refusal of bad input, for `launch`, `Ranks` and the `%ranks` magics alike, made before
+anything starts or is sent: each message says what to do instead. Callers check through the
+four entry points (check_launch, check_pool, check_cell, check_push); the rest are their parts."""
 
 from __future__ import annotations
 
@@ -52,6 +54,54 @@ def check_launch(fn, args, nprocs, timeout, start_method, output, *, env=None, b
     return payload, extra_env, master_port
 
 
+def check_pool(nprocs, backend, timeout, output, env, start_method="forkserver") -> dict:
+    """Every refusal Ranks(...) (and `%ranks start`, before it stops running ranks) makes;
+    returns the ranks' extra environment, which carries the backend."""
+    check_run_options(nprocs, timeout, start_method, output)
+    if timeout == float("inf"):
+        raise LaunchRefused("timeout=inf: the ranks' process group needs a finite timeout for "
+                            "one collective; give seconds, e.g. timeout=3600. Nothing was "
+                            "started.")
+    return {**check_env(env), **check_backend(backend, nprocs)}
+
+
+def check_cell(code, targets, timeout, output, nprocs: int) -> list[int]:
+    """Refuse a cell that is not a string, bad targets, timeout or output; return the target
+    ranks, sorted (all of them for None)."""
+    if not isinstance(code, str):
+        raise LaunchRefused(f"code must be a string of Python (got {type(code).__name__}).")
+    targets = check_targets(targets, nprocs)
+    check_timeout(timeout)
+    check_output(output)
+    return targets
+
+
+def check_push(values: dict, targets, nprocs: int) -> list[int]:
+    """Refuse bad targets, and a pushed value the ranks could not receive; return the targets."""
+    targets = check_targets(targets, nprocs)
+    for name, value in values.items():
+        check_sendable(value, f"push: {name} (a {type(value).__name__})",
+                       plain_fix="Push plain data (numbers, strings, lists, dicts, CPU "
+                                 "tensors). Nothing was sent.",
+                       main_fix="Define it in a %%ranks cell and build the value there, or "
+                                "push plain data. Nothing was sent.")
+    return targets
+
+
+def check_targets(targets, nprocs: int) -> list[int]:
+    """Refuse ranks outside 0..nprocs-1; return the targets sorted, all ranks for None."""
+    if targets is None:
+        return list(range(nprocs))
+    if isinstance(targets, int):
+        targets = [targets]
+    bad = [t for t in targets if isinstance(t, bool) or not isinstance(t, int)
+           or not 0 <= t < nprocs]
+    if bad or not targets:
+        raise LaunchRefused(f"targets={targets!r}: give ranks from 0 to {nprocs - 1}, "
+                            "e.g. targets=[0] (or --targets 0,1). Nothing was run.")
+    return sorted(set(targets))
+
+
 def check_run_options(nprocs, timeout, start_method, output) -> None:
     """Refuse a bad rank count, timeout, start method or output mode (launch and Ranks)."""
     check_nprocs(nprocs)
@@ -92,7 +142,7 @@ def check_backend(backend: str | None, nprocs: int) -> dict[str, str]:
     """Refuse an unknown backend, or nccl without GPUs; return the variable that forces it."""
     if backend is None:
         return {}
-    from .runtime import BACKEND_VAR, choose_backend  # late: runtime imports torch.distributed
+    from ..runtime import BACKEND_VAR, choose_backend  # late: runtime imports torch.distributed
 
     try:
         chosen = choose_backend(backend, nprocs)[0]

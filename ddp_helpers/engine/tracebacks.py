@@ -18,10 +18,10 @@ import re
 import sys
 from pathlib import Path
 
-_KIT_ROOT = Path(__file__).resolve().parent  # .../ddp_helpers
-# Kit modules that only carry a rank's error to the parent: their frames are plumbing.
-_PLUMBING = {"_rank.py", "_rank_server.py", "launch.py", "supervisor.py", "ranks.py",
-             "ranks_magic.py"}
+_KIT_ROOT = Path(__file__).resolve().parents[1]  # .../ddp_helpers
+# The engine only carries a rank's error to the parent: its frames are plumbing. The teaching
+# library's frames (runtime, data, training, the lessons) are the learner's to read.
+_ENGINE = "engine"
 _FRAME = re.compile(r'^(\s*)File "([^"]+)", line (\d+)(, in (.*))?$')
 _CARETS = re.compile(r"^\s*[\^~]+[\s\^~]*$")
 _CPP_LOCATION = re.compile(r"\[[^\[\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\]\s*")
@@ -73,9 +73,10 @@ def _classify(path: str) -> tuple[str, str]:
     if path.startswith("<"):
         return "user", ""  # a %%ranks cell, an exec'd string
     p = Path(path)
-    if "ddp_helpers" in p.parts:
-        return ("plumbing", "") if p.name in _PLUMBING else ("user", "")
     parts = p.parts
+    if "ddp_helpers" in parts:
+        below = parts[len(parts) - parts[::-1].index("ddp_helpers"):]
+        return ("plumbing", "") if below[:1] == (_ENGINE,) else ("user", "")
     for marker in _LIB_DIRS:
         if marker in parts:
             i = parts.index(marker)

@@ -17,8 +17,8 @@ import argparse
 import shlex
 
 from .errors import LaunchRefused
-from .launch_checks import OUTPUT_MODES
-from .ranks import Ranks, check_options, current
+from .options import OUTPUT_MODES, check_pool, check_targets
+from .ranks import Ranks, current
 
 _USAGE = ("Use `%ranks start 2` (options --backend, --timeout, --no-group, --output, --env), then "
           "`%%ranks` cells; `%ranks status`, `%ranks restart`, `%ranks stop`.")
@@ -59,7 +59,7 @@ def ranks_line(line: str) -> object:
     if args.action == "start":
         n = _nprocs(args.nprocs)
         env = _env(args.env)
-        check_options(n, args.backend, args.timeout, args.output, env)  # before stopping any
+        check_pool(n, args.backend, args.timeout, args.output, env)  # before stopping any
         if pool is not None and pool.running:
             pool.stop()  # re-running a notebook from the top starts afresh
         Ranks(n, backend=args.backend, timeout=args.timeout, group=args.group,
@@ -91,12 +91,11 @@ def ranks_cell(line: str, cell: str, user_ns: dict) -> None:
                             "name; give names separated by commas, e.g. --return loss,grads.")
     replies = pool.run(cell, targets=targets, timeout=args.timeout, output=args.output,
                        returns=tuple(names))
-    ranks = sorted(set(targets)) if targets is not None else list(range(pool.nprocs))
-    for rank, (value, _) in zip(ranks, replies):
-        if value is not None:
-            _show(rank, value)
+    for rank, reply in zip(check_targets(targets, pool.nprocs), replies):
+        if reply.value is not None:
+            _show(rank, reply.value)
     for name in names:
-        user_ns[name] = [named[name] for _, named in replies]
+        user_ns[name] = [reply.returned[name] for reply in replies]
 
 
 def _show(rank: int, value) -> None:

@@ -1,4 +1,4 @@
-"""What runs first inside every rank process that `launch` starts.
+"""What runs first inside every rank process the kit starts, for `launch` and `Ranks` alike.
 
 Kept tiny and free of the learner's code, because the start server preloads it: anything
 imported here is imported once per kernel, and a learner's edits to it would not be seen.
@@ -14,9 +14,10 @@ import pickle
 import signal
 import sys
 import threading
-import traceback
 from dataclasses import dataclass
 from typing import Any
+
+from .protocol import Channel, Error, Ok, encode
 
 
 @dataclass
@@ -30,7 +31,7 @@ class RankSpec:
     start_method: str | None  # the caller's multiprocessing default, for the rank's own children
     out: Any  # multiprocessing Connection (write end) that becomes fd 1
     err: Any  # ... and fd 2
-    result: Any  # framed pickles back to the parent: ("ok", value) or ("error", ...)
+    result: Any  # write end of the replies (protocol.Ok, Ready, Error) back to the parent
     lifeline: Any  # read end; EOF means the parent is gone or gave up on this run
     stacks: Any = None  # write end: faulthandler dumps every thread's stack here on SIGUSR1
     commands: Any = None  # persistent ranks only: read end of the parent's commands
@@ -77,16 +78,16 @@ def rank_entry(rank: int, specs: list[RankSpec]) -> None:
         # A C-level handler: it dumps the stacks even while the main thread is stuck in C++
         # code that holds the GIL, where no Python thread could run.
         faulthandler.register(signal.SIGUSR1, file=spec.stacks.fileno(), all_threads=True)
+    replies = Channel(spec.result)
     try:
         fn, args = pickle.loads(spec.payload)
-        value = fn(rank, *args)
-        message = pickle.dumps(("ok", to_cpu(value)))
+        reply = encode(Ok(to_cpu(fn(rank, *args))))  # a value that cannot be pickled raises here
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         flush()
-        spec.result.send_bytes(error_report(e))
+        replies.send(Error.from_exception(e))
         raise  # torch's _wrap records it too and exits with status 1
     flush()
-    spec.result.send_bytes(message)
+    replies.send_encoded(reply)
 
 
 def _reread_torch_env() -> None:
@@ -119,11 +120,6 @@ def _watch_lifeline(lifeline) -> None:
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     threading.Thread(target=watch, name="ddp_helpers-lifeline", daemon=True).start()
-
-
-def error_report(e: BaseException) -> bytes:
-    tb = traceback.format_exc()
-    return pickle.dumps(("error", type(e).__qualname__, str(e), tb))
 
 
 def flush() -> None:

@@ -5,13 +5,14 @@ leave no process behind. The processes themselves are handled by supervisor.Rank
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 
 from .errors import LaunchError, LaunchTimeout, RankDied, RankRaised
-from .launch_checks import check_launch
-from .supervisor import DRAIN_SECONDS, Failure, Priority, RankSet
+from .options import check_launch
+from .protocol import Ok
+from .start import free_port
+from .supervisor import DRAIN_SECONDS, RankSet
+from .watch import Outcome, give_up_once_settled, wait
 
 
 def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
@@ -48,56 +49,39 @@ def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
     """
     payload, extra_env, port = check_launch(fn, args, nprocs, timeout, start_method, output,
                                             env=env, backend=backend, master_port=master_port)
-    port = port or free_port()
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                  "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs)}
-    ranks = RankSet(nprocs, output, start_method)
+    ranks = RankSet(nprocs, start_method)
     try:
-        ranks.start(payload, {**os.environ, **extra_env, **rendezvous})
-        outcome = ranks.wait(ranks.all_exited, time.monotonic() + timeout, _give_up)
-        stacks = ranks.dump_stacks(_unfinished(ranks)) if outcome == "timeout" else {}
+        ranks.start(payload, extra_env, port or free_port(), output)
+        outcome = wait(ranks, ranks.all_exited, time.monotonic() + timeout, give_up_once_settled)
+        stacks = ranks.dump_stacks(_unfinished(ranks)) if outcome is Outcome.TIMEOUT else {}
     except BaseException:  # KeyboardInterrupt included: stop everything, then re-raise
-        _finish(ranks, drain=0)
+        ranks.shutdown(drain=0)
         raise
-    _finish(ranks, drain=DRAIN_SECONDS)
+    ranks.shutdown(drain=DRAIN_SECONDS)
     error = _error(ranks, outcome, stacks)
     if error is not None:
         raise error
-    return [ranks.reports[r][1] for r in range(nprocs)]
+    return _results(ranks)
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now, chosen by the kernel."""
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def _give_up(failure: Failure, settled: bool) -> bool:
-    # A knock-on error ("connection closed by peer") or an abort waits briefly for its cause.
-    return failure.priority < Priority.ABORTED or settled
-
-
-def _finish(ranks: RankSet, drain: float) -> None:
-    ranks.close_lifeline()
-    ranks.stop()
-    ranks.drain_output(drain)
-    ranks.relay.flush()
-    ranks.close()
+def _results(ranks: RankSet) -> list:
+    """Each rank's return value, None for a rank that did not return one."""
+    replies = ranks.replies()
+    return [replies[r].value if isinstance(replies.get(r), Ok) else None
+            for r in range(ranks.nprocs)]
 
 
 def _unfinished(ranks: RankSet) -> list[int]:
     """Ranks without a result, and ranks whose process has not exited after returning one."""
-    return [r for r in range(ranks.nprocs)
-            if ranks.reports.get(r, ("",))[0] != "ok" or r not in ranks.exitcodes]
+    done = ranks.finished()
+    return [r for r in range(ranks.nprocs) if r not in done or r not in ranks.exitcodes]
 
 
-def _error(ranks: RankSet, outcome: str, stacks: dict[int, str]) -> LaunchError | None:
+def _error(ranks: RankSet, outcome: Outcome, stacks: dict[int, str]) -> LaunchError | None:
     """The error to raise for a finished run, or None if every rank returned."""
-    done = sorted(r for r, rep in ranks.reports.items() if rep[0] == "ok")
-    results = [ranks.reports[r][1] if r in done else None for r in range(ranks.nprocs)]
-    kw = {"results": results, "finished": done}
-    if outcome == "timeout":
+    done = ranks.finished()
+    kw = {"results": _results(ranks), "finished": done}
+    if outcome is Outcome.TIMEOUT:
         unfinished = _unfinished(ranks)
         last = {r: ranks.relay.last_line(r) for r in unfinished}
         lingering = [r for r in unfinished if r in done]
@@ -107,11 +91,10 @@ def _error(ranks: RankSet, outcome: str, stacks: dict[int, str]) -> LaunchError 
             if lingering else "")
         return LaunchTimeout.from_unfinished(unfinished, ranks.nprocs, last, stacks=stacks,
                                              consequence=consequence, **kw)
-    failure = ranks.first_failure()
+    failure = ranks.failure()
     if failure is None:
         return None
     if failure.raised:
-        return RankRaised.from_report(failure.rank, ranks.nprocs,
-                                      ranks.reports[failure.rank][1:], **kw)
-    return RankDied.from_exit(failure.rank, ranks.nprocs, ranks.exitcodes[failure.rank],
+        return RankRaised.from_error(failure.rank, ranks.nprocs, failure.error, **kw)
+    return RankDied.from_exit(failure.rank, ranks.nprocs, failure.exitcode,
                               ranks.relay.last_line(failure.rank), **kw)

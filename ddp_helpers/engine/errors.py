@@ -1,14 +1,16 @@
 """The errors `launch` and `Ranks` raise, and the text they carry: each says what happened, on
 which rank, and what to do next.
 
-The text is built here, from what the supervisor observed (a rank's report, an exit code, the
-last lines it printed), so the supervisor only observes and this module only words.
+The text of these errors is built here, from what the supervisor observed (a rank's Error
+reply, an exit code, the last lines it printed), so the supervisor only observes and this module
+only words. (Refusals of bad input are worded where they are checked, in options.py and magic.py.)
 """
 
 from __future__ import annotations
 
 import signal
 
+from .protocol import Error
 from .tracebacks import clean_error_text, clean_traceback, main_thread_stack
 
 
@@ -49,12 +51,12 @@ class RankRaised(LaunchError):
         self.traceback_text = traceback_text
 
     @classmethod
-    def from_report(cls, rank: int, nprocs: int, report: tuple[str, str, str], *,
-                    consequence: str = "The other ranks were stopped.",
-                    results: list | None = None, finished: list[int] | None = None
-                    ) -> RankRaised:
-        """Word a rank's ("ExcType", message, traceback) report."""
-        exc_type, message, tb = report
+    def from_error(cls, rank: int, nprocs: int, error: Error, *,
+                   consequence: str = "The other ranks were stopped.",
+                   results: list | None = None, finished: list[int] | None = None
+                   ) -> RankRaised:
+        """Word a rank's Error reply."""
+        exc_type, message, tb = error.type, error.message, error.traceback
         text = (f"rank {rank} of {nprocs} raised {exc_type}: {clean_error_text(message)}\n"
                 f"{consequence} The rank's traceback:\n{clean_traceback(tb)}"
                 + hint(exc_type, message) + finished_note(finished))
@@ -153,10 +155,6 @@ _HINTS = [
      "the rank that did not arrive."),
 ]
 
-_PEER_FAILURE = ("connection closed by peer", "connection reset", "broken pipe",
-                 "distbackenderror", "timed out", "keyboardinterrupt")
-
-
 def hint(exc_type: str, message: str) -> str:
     """A "What to do" line for errors whose usual cause is known, else ""."""
     text = f"{exc_type} {message}".lower()
@@ -164,12 +162,6 @@ def hint(exc_type: str, message: str) -> str:
         if any(n in text for n in needles):
             return "\nWhat to do: " + advice
     return ""
-
-
-def looks_like_peer_failure(exc_type: str, message: str) -> bool:
-    """An error a rank raises because another rank failed first (not the root cause)."""
-    text = f"{exc_type} {message}".lower()
-    return any(s in text for s in _PEER_FAILURE)
 
 
 def finished_note(done: list[int] | None) -> str:

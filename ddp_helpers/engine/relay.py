@@ -13,8 +13,8 @@ class OutputRelay:
     """Splits the ranks' byte streams into lines; prints them live, by rank, or not at all, or
     hands each to a callable `mode(rank, stream, line)` with stream "stdout" or "stderr"."""
 
-    def __init__(self, nprocs: int, mode):
-        self.mode = mode
+    def __init__(self, nprocs: int, mode="live"):
+        self.mode = mode  # set per run or per request by RankSet.relay_to
         self.partial = {(r, k): b"" for r in range(nprocs) for k in ("out", "err")}
         self.held: dict[int, list[tuple[str, str]]] = {r: [] for r in range(nprocs)}
         self.last: dict[int, str] = {}

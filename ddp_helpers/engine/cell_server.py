@@ -1,7 +1,7 @@
 """Rank side of persistent ranks (`dh.Ranks`, `%%ranks`): set up once, then run the parent's
 cells in one namespace that lives as long as the rank.
 
-Preloaded by the start server like _rank.py, so it stays free of the learner's code. A cell is
+Preloaded by the start server like rank_entry.py, so it stays free of the learner's code. A cell is
 compiled under the name "<cell N>" and registered with linecache, so tracebacks show the
 learner's own lines; the value of its last expression is sent back, as IPython would display it.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import linecache
 import os
-import pickle
 import sys
 import threading
 import traceback
@@ -21,8 +20,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._rank import current_spec, flush, to_cpu
-from .runtime import choose_backend, let_gloo_threads_finish, process_group
+from ..runtime import BACKEND_VAR, choose_backend, let_gloo_threads_finish, process_group
+from .protocol import (
+    AskWhere,
+    Channel,
+    Error,
+    Ok,
+    Push,
+    Ready,
+    RunCell,
+    Stop,
+    Unreadable,
+    Where,
+    encode,
+)
+from .rank_entry import current_spec, flush, to_cpu
 
 # Where a stuck main thread waits on its peers: frames in these parts of torch. Backward counts
 # because DDP's reducer waits for its bucket all-reduces at the end of backward.
@@ -30,29 +42,31 @@ _COMM_PATHS = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 _CELL = "<cell "
 
 
-def serve(rank: int, world_size: int, group: bool, backend: str, timeout_s: float) -> None:
-    """Set up this rank (with the default process group unless `group` is False), greet the
-    parent, then run its commands until told to stop."""
+def serve(rank: int, world_size: int, group: bool, timeout_s: float) -> None:
+    """Set up this rank (with the default process group unless `group` is False), tell the
+    parent it is Ready, then run its commands until told to Stop. The backend comes from the
+    environment (runtime.BACKEND_VAR), as it does for a launched function."""
     spec = current_spec()
+    commands, replies = Channel(spec.commands), Channel(spec.result)
     namespace = _namespace(rank, world_size)
-    _answer_questions(spec.control, threading.get_ident())
+    _answer_questions(Channel(spec.control), threading.get_ident())
     if group:
-        with process_group(rank, world_size, backend=backend, timeout_s=timeout_s) as device:
+        with process_group(rank, world_size, timeout_s=timeout_s) as device:
             namespace["device"] = device
-            _loop(spec, namespace)
+            _loop(commands, replies, namespace)
         return
-    namespace["device"] = _device_without_group(backend, world_size, rank)
+    namespace["device"] = _device_without_group(world_size, rank)
     try:
-        _loop(spec, namespace)
+        _loop(commands, replies, namespace)
     finally:  # the learner's own group, if they made one
         if dist.is_available() and dist.is_initialized():
             let_gloo_threads_finish()  # the learner's cells may have run Python comm hooks
             dist.destroy_process_group()
 
 
-def _device_without_group(backend: str, world_size: int, rank: int) -> torch.device:
+def _device_without_group(world_size: int, rank: int) -> torch.device:
     """The device process_group would have chosen, for ranks that make their own group."""
-    if choose_backend(backend, world_size)[1] != "cuda":
+    if choose_backend(os.environ.get(BACKEND_VAR, "auto"), world_size)[1] != "cuda":
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
 
@@ -66,44 +80,43 @@ def _namespace(rank: int, world_size: int) -> dict:
     return module.__dict__
 
 
-def _loop(spec, namespace: dict) -> None:
-    spec.result.send_bytes(pickle.dumps(("ok", _greeting(namespace))))
+def _loop(commands: Channel, replies: Channel, namespace: dict) -> None:
+    replies.send(_ready(namespace))
     while True:
         try:
-            data = spec.commands.recv_bytes()
+            command = commands.recv()
         except (EOFError, OSError):
             return  # the parent is gone
-        try:
-            message = pickle.loads(data)
-        except Exception as e:  # noqa: BLE001 - a value this rank cannot rebuild: say so, stay up
-            spec.result.send_bytes(pickle.dumps(("error", type(e).__qualname__, str(e), "")))
+        except Unreadable as e:  # a value this rank cannot rebuild: say so, and stay up
+            replies.send(Error.from_exception(e.cause, traceback=""))
             continue
-        if message[0] == "stop":
+        if isinstance(command, Stop):
             return
-        if message[0] == "run":
-            reply = run_cell(namespace, *message[1:])
-        else:  # ("push", {name: value})
-            namespace.update(message[1])
-            reply = pickle.dumps(("ok", None))
+        if isinstance(command, RunCell):
+            reply = run_cell(namespace, command)
+        else:
+            assert isinstance(command, Push), command
+            namespace.update(command.values)
+            reply = encode(Ok())
         flush()
-        spec.result.send_bytes(reply)
+        replies.send_encoded(reply)
 
 
-def _greeting(namespace: dict) -> dict:
+def _ready(namespace: dict) -> Ready:
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
-    return {"pid": os.getpid(), "device": str(namespace["device"]), "backend": backend}
+    return Ready(pid=os.getpid(), device=str(namespace["device"]), backend=backend)
 
 
-def run_cell(namespace: dict, number: int, code: str, names: list[str]) -> bytes:
-    """Run one cell; the pickled ("ok", (last value, {name: value})) or ("error", ...) reply."""
-    filename = f"{_CELL}{number}>"
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+def run_cell(namespace: dict, cell: RunCell) -> bytes:
+    """Run one cell; its reply, encoded: Ok(last value, {name: value}) or Error."""
+    filename = f"{_CELL}{cell.number}>"
+    linecache.cache[filename] = (len(cell.code), None, cell.code.splitlines(True), filename)
     try:
-        value = _execute(code, filename, namespace)
-        returned = {n: _lookup(namespace, n) for n in names}
-        return _reply_ok(value, returned)
+        value = _execute(cell.code, filename, namespace)
+        returned = {n: _lookup(namespace, n) for n in cell.returns}
+        return _encode_ok(value, returned)
     except BaseException as e:  # noqa: BLE001 - SystemExit too: the rank must stay up
-        return pickle.dumps(("error", type(e).__qualname__, str(e), _cell_traceback(e)))
+        return encode(Error.from_exception(e, traceback=_cell_traceback(e)))
 
 
 def _execute(code: str, filename: str, namespace: dict):
@@ -123,9 +136,9 @@ def _lookup(namespace: dict, name: str):
     return namespace[name]
 
 
-def _reply_ok(value, returned: dict) -> bytes:
+def _encode_ok(value, returned: dict) -> bytes:
     try:
-        return pickle.dumps(("ok", to_cpu((value, returned))))
+        return encode(Ok(to_cpu(value), to_cpu(returned)))
     except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
         what = type(value).__name__ if not returned else "a returned variable"
         raise TypeError(f"the cell ran, but its value ({what}) cannot be sent back to the "
@@ -144,33 +157,33 @@ def _cell_traceback(e: BaseException) -> str:
     return "".join(traceback.format_exception(type(e), e, tb))
 
 
-def _answer_questions(control, main_thread: int) -> None:
-    """Answer the parent's "where are you?" from a thread: the main thread may be blocked in a
+def _answer_questions(control: Channel, main_thread: int) -> None:
+    """Answer the parent's AskWhere from a thread: the main thread may be blocked in a
     collective (which releases the GIL), and the parent wants to say where."""
 
     def answer() -> None:
         while True:
             try:
-                control.recv()
-                control.send(where(main_thread))
-            except (EOFError, OSError):
+                question = control.recv()
+                if isinstance(question, AskWhere):
+                    control.send(where(main_thread))
+            except (EOFError, OSError, Unreadable):
                 return
 
     threading.Thread(target=answer, name="ddp_helpers-control", daemon=True).start()
 
 
-def where(thread_id: int) -> dict:
+def where(thread_id: int) -> Where:
     """Where a thread is: idle (waiting for a cell), or its cell line and torch call."""
     frame = sys._current_frames().get(thread_id)
     stack = traceback.extract_stack(frame) if frame is not None else []
     cells = [f for f in stack if f.filename.startswith(_CELL)]
     if not cells:
-        return {"idle": True, "in_comm": False, "cell": None, "call": None}
+        return Where(idle=True)
     inside = [f for f in stack[stack.index(cells[-1]) + 1:]
               if any(p in f.filename.replace(os.sep, "/") for p in _COMM_PATHS)]
     calls = [f.name for f in inside if f.name not in ("wrapper", "<module>")]
     line = cells[-1]
-    return {"idle": False,
-            "in_comm": bool(inside) or ".wait(" in (line.line or ""),
-            "cell": f"{line.filename} line {line.lineno}: {(line.line or '').strip()}",
-            "call": calls[-1] if calls else None}
+    return Where(in_comm=bool(inside) or ".wait(" in (line.line or ""),
+                 cell=f"{line.filename} line {line.lineno}: {(line.line or '').strip()}",
+                 call=calls[-1] if calls else None)

@@ -1,0 +1,128 @@
+"""How long to wait for ranks, and when to stop waiting: the one loop launch and Ranks both
+wait in, the give-up rule for a failure, and the stall rule for a collective that cannot
+complete. These rules read the supervisor (replies, failure, where, pids); they never change
+what it recorded, and the supervisor never calls them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+
+import psutil
+
+from .protocol import Where
+from .supervisor import Failure, Priority, RankSet
+
+SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arrives within this
+STALL_SECONDS = 3.0  # a rank waiting this long in a collective that cannot complete is stuck
+_POLL_SECONDS = 0.25  # the longest the loop sleeps before re-checking deadlines
+
+
+class Outcome(enum.Enum):
+    """How a wait ended."""
+
+    DONE = "done"  # what was waited for happened
+    TIMEOUT = "timeout"  # the deadline passed first
+    FAILED = "failed"  # a failure the give-up rule accepted
+    STALLED = "stalled"  # no failure, but the stall rule says no rank can make progress
+
+
+def wait(ranks: RankSet, done: Callable[[], bool], deadline: float,
+         give_up: Callable[[Failure, bool], bool],
+         stalled: Callable[[], bool] | None = None) -> Outcome:
+    """Relay output and collect replies until `done()`, the monotonic `deadline`, a failure
+    that `give_up(failure, settled)` accepts, or, without any failure, until `stalled()`.
+    `settled` turns True SETTLE_SECONDS after the first failure, when a root cause has had
+    time to arrive."""
+    settle_at = None
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            return Outcome.TIMEOUT
+        settling = settle_at if settle_at and settle_at > now else deadline
+        ranks.poll(min(deadline, settling, now + _POLL_SECONDS))
+        failure = ranks.failure()
+        if failure is not None:
+            settle_at = settle_at or time.monotonic() + SETTLE_SECONDS
+            if give_up(failure, time.monotonic() >= settle_at):
+                return Outcome.FAILED
+        elif stalled is not None and stalled():
+            return Outcome.STALLED
+    return Outcome.DONE
+
+
+def give_up_once_settled(failure: Failure, settled: bool) -> bool:
+    """The rule for a run that needs every rank (a launch, or persistent ranks starting): give
+    up at once for a root cause or a death; a knock-on error or an abort waits for the settle,
+    so that the failure that caused it is the one reported."""
+    return failure.priority < Priority.ABORTED or settled
+
+
+class CellWatch:
+    """One persistent-ranks request: who answered, and who is stuck where."""
+
+    def __init__(self, ranks: RankSet, targets: list[int]):
+        self.ranks, self.targets = ranks, targets
+        self.started = time.monotonic()
+        self.seen: dict[int, Where | None] = {}
+        self._cpu: dict[int, tuple[float, float]] = {}
+
+    def unfinished(self) -> list[int]:
+        """The targets that have not replied yet."""
+        replied = self.ranks.replies()
+        return [r for r in self.targets if r not in replied]
+
+    def done(self) -> bool:
+        return self.ranks.answered(self.targets)
+
+    def give_up(self, failure: Failure, settled: bool) -> bool:
+        """Stop at once for a dead rank; after the settle, once every unfinished rank is
+        blocked waiting for its peers (it would never finish the cell)."""
+        if failure.priority == Priority.DIED:
+            return True
+        return settled and all(self.blocked(r) for r in self.unfinished())
+
+    def stalled(self) -> bool:
+        """Some rank finished (or was not asked) while the others have waited STALL_SECONDS in
+        communication: a collective needs every rank of its group, so it cannot complete."""
+        if time.monotonic() - self.started < STALL_SECONDS:
+            return False
+        left = self.unfinished()
+        if not left or len(left) == self.ranks.nprocs:
+            return False
+        return all(self.blocked(r) for r in left)
+
+    def blocked(self, rank: int) -> bool:
+        """In communication (a torch.distributed frame, or no answer: blocked in C++) and not
+        using the CPU since the last look, i.e. waiting for a peer, not moving data."""
+        info = self.ranks.where(rank)
+        self.seen[rank] = info
+        busy = self._cpu_busy(rank)
+        return (info is None or info.in_comm) and busy is False
+
+    def _cpu_busy(self, rank: int) -> bool | None:
+        """Did the rank use more than 5% of a core since the last look? None at the first."""
+        pid = self.ranks.pids[rank]
+        try:
+            cpu = sum(psutil.Process(pid).cpu_times()[:2])
+        except (psutil.Error, TypeError):
+            return False
+        now = time.monotonic()
+        before = self._cpu.get(rank)
+        if before is not None and now - before[0] < 0.2:
+            return None  # too soon to tell: keep the older sample
+        self._cpu[rank] = (now, cpu)
+        if before is None:
+            return None
+        return (cpu - before[1]) / (now - before[0]) > 0.05
+
+    def where_all(self) -> dict[int, Where | None]:
+        """Where each unfinished rank was: the last look, or a fresh one."""
+        for r in self.unfinished():
+            if not self.ranks.alive(r):
+                self.seen[r] = Where(exited=True)
+            elif r not in self.seen:
+                self.seen[r] = self.ranks.where(r)
+        return {r: self.seen.get(r) for r in self.unfinished()}
