@@ -167,7 +167,9 @@ def _answer_questions(control: Channel, main_thread: int) -> None:
                 question = control.recv()
                 if isinstance(question, AskWhere):
                     control.send(where(main_thread))
-            except (EOFError, OSError, Unreadable):
+            except Unreadable:
+                continue  # a message this rank cannot rebuild: the next question still counts
+            except (EOFError, OSError):
                 return
 
     threading.Thread(target=answer, name="ddp_helpers-control", daemon=True).start()
