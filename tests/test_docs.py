@@ -97,6 +97,8 @@ def has_magics(block: str) -> bool:
 
 
 SCRIPTS = [b for b in fenced("python") if not has_magics(b[2])]
+
+
 def shell_commands(body: str) -> list[str]:
     """The block's commands, continuation lines joined, comment lines dropped."""
     commands, current = [], ""
