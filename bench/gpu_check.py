@@ -9,7 +9,7 @@ with one GPU, 15 with two or more, after the environment is installed):
   2. every `gpu`-marked test (pytest -m gpu tests)
   3. the MNIST command on all GPUs: python -m ddp_helpers.mnist --nprocs <GPUs> --epochs 1
   4. with two GPUs or more: bench/allreduce.py with NCCL, up to 256 MiB
-  5. every lesson (00-10) top to bottom, execution only (pytest --nbval-lax), K at a time
+  5. every lesson (00-11) top to bottom, execution only (pytest --nbval-lax), K at a time
 Then a summary table (printed, and written to bench/results/gpu.md with the date and the GPU),
 and what needs two GPUs and did not run. Logs go to runs/gpu-check-<time>/. Exit status 0
 when every step that ran passed. Without a GPU: "no GPU: nothing to check", exit status 0.
