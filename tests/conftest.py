@@ -5,6 +5,7 @@ import signal
 import pytest
 
 import ddp_helpers as dh
+from ddp_helpers import exercises
 from ddp_helpers.engine.census import rank_descendants, wait_for_no_descendants
 
 # Tests of the two-GPU paths (NCCL, one GPU per rank, cuda:0 -> cuda:1 copies) skip elsewhere.
@@ -66,3 +67,10 @@ def no_leftovers():
     yield
     alive = wait_for_no_descendants()
     assert not alive, f"processes left behind: {_describe(alive)}"
+
+
+def solution_edit(name: str, old: str, new: str) -> str:
+    """The kit's solution of exercise `name` with one edit: a wrong answer a learner could write."""
+    source = exercises.solution_source(name)
+    assert old in source, f"{old!r} is not in the solution of {name}"
+    return source.replace(old, new)

@@ -4,6 +4,7 @@ at least two wrong versions (each a small edit of the solution) FAIL."""
 
 import pytest
 import torch
+from conftest import solution_edit as edit  # one wrong answer: the kit's solution, edited
 
 import ddp_helpers as dh
 from ddp_helpers import exercises
@@ -25,11 +26,6 @@ def verdict(pool, name: str, source: str) -> str:
     return exercises.evaluate(name, pool=pool).line
 
 
-def edit(name: str, old: str, new: str) -> str:
-    """The kit's solution with one edit: a wrong version a learner could write."""
-    source = exercises.solution_source(name)
-    assert old in source, f"{old!r} is not in the solution of {name}"
-    return source.replace(old, new)
 
 
 def template(name: str) -> str:
