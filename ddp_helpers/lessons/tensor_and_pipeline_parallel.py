@@ -5,7 +5,8 @@ the second by rows, so that one all-reduce in forward and one in backward are al
 hand, then with DTensor's `parallelize_module`. Pipeline parallelism splits the layers into
 stages that pass micro-batches with send/recv, in GPipe's order and in 1F1B's. Every function
 here runs on a rank (`%%ranks`) and returns plain records for the parent to print and plot;
-`CollectiveLog` counts collectives at torch's dispatch level, so any way of calling them counts.
+`CollectiveLog` (the kit's ledger) counts collectives at torch's dispatch level, so any way
+of calling them counts.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..checks import Case, case
 from ..exercises import NotAttempted, exercise_check, require, solution_module
+from ..ledger import Ledger
 
 D, HIDDEN, BATCH = 16, 64, 8  # the MLP block: Linear(16, 64) -> GELU -> Linear(64, 16)
 RTOL, ATOL = 1e-5, 1e-6  # float32 sums taken in another order: a few ulps apart at most
@@ -31,62 +31,8 @@ TIMED = {"width": 512, "batch": 128}  # for the timelines: compute well above a 
 MICROBATCHES = (1, 2, 4, 8)
 
 
-# ---------------------------------------------------------------- counting collectives
-
-_NAMES = {"allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_": "all_reduce",
-          "allgather_": "all_gather", "_allgather_base_": "all_gather",
-          "all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-          "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-          "reduce_scatter_tensor": "reduce_scatter", "broadcast_": "broadcast",
-          "broadcast": "broadcast", "alltoall_": "all_to_all", "alltoall_base_": "all_to_all",
-          "all_to_all_single": "all_to_all", "send": "send", "recv_": "recv",
-          "recv_any_source_": "recv", "reduce_": "reduce", "gather_": "gather",
-          "scatter_": "scatter", "barrier": "barrier"}
-_INPUT_SECOND = {"allgather_", "_allgather_base_", "reduce_scatter_", "_reduce_scatter_base_",
-                 "allgather_into_tensor_coalesced_", "alltoall_", "alltoall_base_", "scatter_"}
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
-class CollectiveLog(TorchDispatchMode):
-    """Record every collective and send/recv this rank calls, as (op, bytes), where torch
-    dispatches the c10d and functional-collective ops: `dist.all_reduce`, an alias of it, DTensor
-    and `torch.distributed.pipelining` all end there. Bytes: the tensor this rank hands in (for
-    all_gather and reduce_scatter, its own input), not what the backend's algorithm moves."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **(kwargs or {}))  # no schema, and never a collective
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor turn itself into collectives first
-        namespace, _, name = func._schema.name.partition("::")
-        if namespace in ("c10d", "_c10d_functional") and name in _NAMES:
-            given = args[1] if name in _INPUT_SECOND and namespace == "c10d" else args[0]
-            self.calls.append((_NAMES[name], sum(t.numel() * t.element_size()
-                                                 for t in _tensors(given))))
-        return func(*args, **(kwargs or {}))
-
-    def summary(self) -> dict[str, tuple[int, int]]:
-        """{op: (calls, bytes)}, ops in alphabetical order."""
-        out: dict[str, tuple[int, int]] = {}
-        for op, n in self.calls:
-            calls, size = out.get(op, (0, 0))
-            out[op] = (calls + 1, size + n)
-        return dict(sorted(out.items()))
-
-    def text(self) -> str:
-        """e.g. "all_reduce x1 (512 B)"; "none" if nothing was called."""
-        return ", ".join(f"{op} x{c} ({b:,} B)" for op, (c, b) in self.summary().items()) or "none"
+# The kit's one record of collectives, under the name this lesson's cells use.
+CollectiveLog = Ledger
 
 
 # ---------------------------------------------------------------- tensor parallel by hand
