@@ -18,7 +18,6 @@ module of the notebook that sets the exercise:
 
 from __future__ import annotations
 
-import html
 import importlib
 import inspect
 import pkgutil
@@ -33,6 +32,7 @@ from .checks import Case, case  # noqa: F401 - case is what checks use
 ATTEMPTS = "attempts"  # notebooks/attempts/<name>.py; the folder is made on first use
 KINDS = ("file", "ranks", "prediction")
 _NOTHING = object()
+_CHECKED: set[str] = set()  # predictions dh.check has seen an answer to, in this kernel
 
 
 class NotAttempted(Exception):
@@ -86,6 +86,8 @@ def check(name: str, answer: object = _NOTHING, *, pool=None) -> None:
 def evaluate(name: str, answer: object = _NOTHING, *, pool=None) -> Verdict:
     """Check exercise `name` (see check) and return the verdict instead of printing it."""
     ex = find(name)
+    if ex.kind == "prediction" and answer not in (_NOTHING, None, "", Ellipsis):
+        _CHECKED.add(name)  # the learner has committed to an answer: reveal may show it
     try:
         cases = _run(ex, answer, pool)
     except NotAttempted as e:
@@ -232,18 +234,17 @@ def solution_source(name: str) -> str:
     return inspect.getsource(solution_module(name)).rstrip()
 
 
-def reveal(name: str) -> None:
-    """Show the kit's solution folded away: JupyterLab renders a collapsed "Solution" line to
-    click open; plain-text front ends (and nbval) see only that line."""
-    from IPython.display import display
+def reveal(name: str, *, now: bool = False) -> None:
+    """Print the kit's solution to exercise `name`.
 
-    display(reveal_bundle(name), raw=True)
-
-
-def reveal_bundle(name: str) -> dict[str, str]:
-    """The display data dh.reveal shows: a <details> element, and its one-line text form."""
-    summary = f"Solution to {name} (click to show)"
-    return {"text/plain": f"{summary}: in JupyterLab, click it; elsewhere, "
-                          f"print(dh.solution_source({name!r}))",
-            "text/html": f"<details><summary>{html.escape(summary)}</summary>"
-                         f"<pre>{html.escape(solution_source(name))}</pre></details>"}
+    A prediction's answer is printed only once dh.check has seen a prediction for it in this
+    kernel, or with now=True: the answer next to the question is no exercise. Notebooks carry
+    `# dh.reveal("<name>")` commented out, so that no committed notebook holds a solution."""
+    ex = find(name)
+    if ex.kind == "prediction" and name not in _CHECKED and not now:
+        print(f"Write your prediction and run dh.check({name!r}, ...) first; then "
+              f"dh.reveal({name!r}) shows the kit's answer (dh.reveal({name!r}, now=True) shows "
+              "it without a prediction).")
+        return
+    print(f"The kit's solution to {name} (ddp_helpers/solutions/{name}.py):\n")
+    print(solution_source(name))

@@ -117,8 +117,23 @@ def test_attempts_folder_is_made_on_first_use(tmp_path, monkeypatch):
     assert (tmp_path / "attempts").is_dir()
 
 
-def test_reveal_folds_the_solution_away():
-    bundle = exercises.reveal_bundle("naive_all_reduce")
-    assert bundle["text/html"].startswith("<details><summary>Solution to naive_all_reduce")
-    assert "def naive_all_reduce" in bundle["text/html"]
-    assert "def naive_all_reduce" not in bundle["text/plain"]  # nbval's view: the summary only
+def test_reveal_prints_the_solution(capsys):
+    exercises.reveal("naive_all_reduce")
+    assert "def naive_all_reduce" in capsys.readouterr().out
+
+
+def test_a_prediction_is_revealed_only_after_a_check_or_on_request(capsys):
+    exercises._CHECKED.discard("three_rank_sum")
+    answer = exercises.solution_source("three_rank_sum")
+    exercises.reveal("three_rank_sum")
+    first = capsys.readouterr().out
+    assert "run dh.check('three_rank_sum', ...) first" in first and answer not in first
+    exercises.check("three_rank_sum")  # no answer: still hidden
+    exercises.reveal("three_rank_sum")
+    assert answer not in capsys.readouterr().out
+    exercises.check("three_rank_sum", 1.0)
+    exercises.reveal("three_rank_sum")
+    assert answer in capsys.readouterr().out
+    exercises._CHECKED.discard("three_rank_sum")
+    exercises.reveal("three_rank_sum", now=True)
+    assert answer in capsys.readouterr().out

@@ -84,6 +84,41 @@ def test_outputs_show_no_machine_path_and_no_kit_frame(path):
     assert not found, f"{len(found)} finding(s):\n" + "\n".join(found)
 
 
+def solution_lines() -> dict[str, list[str]]:
+    """Each solution's distinctive lines: code and prose of ddp_helpers/solutions/<name>.py
+    (25 characters or more, imports left out), what a revealed solution would print."""
+    lines = {}
+    for path in sorted((ROOT / "ddp_helpers" / "solutions").glob("[!_]*.py")):
+        text = [ln.strip() for ln in path.read_text().splitlines()]
+        lines[path.stem] = [ln for ln in text if len(ln) >= 25 and not ln.startswith(
+            ("import ", "from ", "#"))]
+    return lines
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_outputs_hold_no_solution(path):
+    """A solution (or a prediction's answer, told in its solution file) shows only when the
+    learner runs dh.reveal; a committed output never has it."""
+    shown = "\n".join(text for cell in json.loads(path.read_text())["cells"]
+                      for output in cell.get("outputs", []) for _, text in output_texts(output))
+    found = []
+    for name, lines in solution_lines().items():
+        seen = [line for line in lines if line in shown]
+        # A line such as `for p in model.parameters():` is any lesson's; half the solution is it
+        if len(seen) >= max(2, len(lines) / 2):
+            found.append(f"{name}: {len(seen)} of its {len(lines)} lines, e.g. {seen[0]}")
+    assert not found, "solution text in committed outputs:\n" + "\n".join(found)
+
+
+def test_solution_scan_sees_a_revealed_solution(capsys):
+    from ddp_helpers import exercises
+
+    exercises.reveal("naive_all_reduce")
+    printed = capsys.readouterr().out
+    lines = solution_lines()["naive_all_reduce"]
+    assert len(lines) >= 3 and all(line in printed for line in lines)
+
+
 # ---------------------------------------------------------------- the scanner itself
 
 
