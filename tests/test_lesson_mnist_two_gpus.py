@@ -159,6 +159,32 @@ def test_the_simulated_nodes_are_what_torchrun_gives_two_nodes_of_two(tmp_path):
     assert seen == [(r["node"], r["RANK"], r["LOCAL_RANK"], 4, 2) for r in rows]
 
 
+SECOND_NODE = """import os
+rank, gpus = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+print(f"rank {rank}: asks for cuda:{rank} of {gpus}", flush=True)
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+if rank >= gpus:
+    raise torch.AcceleratorError("CUDA error: invalid device ordinal")
+dist.init_process_group("gloo", timeout=timedelta(seconds=3))
+"""
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_show_the_second_node_failing(tmp_path):
+    # The notebook's demo: node 1's ranks 2 and 3 ask for GPUs a node of two does not have;
+    # node 0's ranks wait for them, and both agents end with an error (no 300 s exit barrier).
+    script = tmp_path / "second_node.py"
+    script.write_text(SECOND_NODE)
+    nodes = lesson.two_torchrun_nodes(script, gpus_per_node=2, timeout=120)
+    assert list(nodes) == [0, 1]
+    assert nodes[0]["ranks"] == ["rank 0: asks for cuda:0 of 2", "rank 1: asks for cuda:1 of 2"]
+    assert nodes[1]["ranks"] == ["rank 2: asks for cuda:2 of 2", "rank 3: asks for cuda:3 of 2"]
+    assert nodes[1]["errors"][0] == "torch.AcceleratorError: CUDA error: invalid device ordinal"
+    assert all(run["returncode"] != 0 for run in nodes.values())
+
+
 def test_in_memory_full_epoch_and_checkpoint(source, tmp_path):
     ckpt = tmp_path / "2.pt"
     cfg = lesson.MnistConfig(source=source, checkpoint=str(ckpt))

@@ -14,6 +14,7 @@ import http.server
 import math
 import os
 import pickle
+import re
 import threading
 import time
 from collections import Counter
@@ -34,6 +35,7 @@ from ddp_helpers.checks import case, pair_cases
 from ddp_helpers.data import DataSource, ShardedBatches, mnist_tensors, prepare_data
 from ddp_helpers.exercises import exercise_check, require
 from ddp_helpers.runtime import BACKEND_VAR, let_gloo_threads_finish, usable_cores
+from ddp_helpers.torchrun import torchrun_agents
 
 LISTING_PORT = 23456  # the listing's init_method='tcp://localhost:23456'
 NOTEBOOK_SUBSET = 3_000  # training images the notebook's DataLoader runs use (of 60,000)
@@ -114,7 +116,8 @@ def listing_fixed(rank: int, world_size: int, cfg: MnistConfig = MnistConfig()):
         backend=backend,
         init_method="env://",  # FIX: MASTER_ADDR/PORT from the launcher: a free port, not 23456
         rank=rank,
-        world_size=world_size)
+        world_size=world_size,
+        device_id=device if device.type == "cuda" else None)  # FIX: NCCL's GPU, bound at once
     torch.manual_seed(0)
     transform = transforms.Compose(
         [transforms.ToTensor(),
@@ -128,7 +131,7 @@ def listing_fixed(rank: int, world_size: int, cfg: MnistConfig = MnistConfig()):
                               batch_size=cfg.batch_size,
                               sampler=sampler,  # FIX: the sampler shuffles; no shuffle=True
                               num_workers=cfg.num_workers,
-                              pin_memory=device.type == "cuda")  # FIX: faster copies to the GPU
+                              pin_memory=device.type == "cuda")  # NEW: page-locked batches
     model = models.build_model(cfg.model).to(device)  # KIT: nn.Sequential(Flatten(), Linear)
     model = DistributedDataParallel(
         model, device_ids=dh.device_ids(device))  # FIX: this machine's GPU (None on the CPU)
@@ -141,7 +144,8 @@ def listing_fixed(rank: int, world_size: int, cfg: MnistConfig = MnistConfig()):
         rec.start_epoch(epoch, train_loader)
         model.train()
         for batch_idx, (data, target) in enumerate(train_loader):
-            data, target = data.to(device), target.to(device)
+            data = data.to(device, non_blocking=True)  # NEW: with pin_memory, an async copy
+            target = target.to(device, non_blocking=True)
             optimizer.zero_grad()
             output = model(data)
             loss = criterion(output, target)
@@ -513,6 +517,31 @@ def simulated_nodes(nnodes: int = 2, gpus_per_node: int = 2) -> list[dict]:
                          "faithful_exists": rank < gpus_per_node,
                          "fixed_exists": local_rank < gpus_per_node})
     return rows
+
+
+def two_torchrun_nodes(script: str | os.PathLike, gpus_per_node: int = 2,
+                       timeout: float = 120) -> dict[int, dict]:
+    """Run `script` under two torchrun agents on this machine, as two "nodes" of `gpus_per_node`
+    workers meeting through c10d on loopback; per node (its GROUP_RANK): the agent's exit code,
+    the lines its workers printed that start with "rank ", sorted, and the distinct exception
+    lines (`SomeError: ...`) in its output, in order of first appearance."""
+    agent = (f"torchrun --nnodes 2 --nproc-per-node {gpus_per_node} --rdzv-backend c10d "
+             f"--rdzv-endpoint 127.0.0.1:{dh.free_port()} --rdzv-id second-node "
+             f"{Path(script).resolve()}")
+    env = {"OMP_NUM_THREADS": "1"}
+    runs = torchrun_agents([agent, agent], envs=[env, env], timeout=timeout)
+    nodes = {}
+    for run in runs:
+        lines = run["output"].splitlines()
+        ranks = sorted(line for line in lines if line.startswith("rank "))
+        node = 1 if any(int(line.split()[1].rstrip(",:")) >= gpus_per_node
+                        for line in ranks) else 0
+        errors = list(dict.fromkeys(line for line in lines if _EXCEPTION_LINE.match(line)))
+        nodes[node] = {"returncode": run["returncode"], "ranks": ranks, "errors": errors}
+    return dict(sorted(nodes.items()))
+
+
+_EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception)(:|$)")
 
 
 # ---------------------------------------------------------------- exercises

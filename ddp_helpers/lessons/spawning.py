@@ -265,11 +265,12 @@ def finishes_then_other_fails(rank: int, world_size: int) -> dict:
 
 
 def hangs_on(rank: int, world_size: int, stuck_rank: int = 1) -> str:
-    """`stuck_rank` waits forever for a message nobody sends; the others wait at a barrier."""
+    """`stuck_rank` waits in recv for a message nobody sends; the others wait at a barrier."""
     with process_group(rank, world_size, verbose=False):
         if rank == stuck_rank:
-            print("waiting for a message from rank 0...", flush=True)
-            time.sleep(3600)  # stands in for a recv() that no rank will ever match
+            sender = 0 if stuck_rank != 0 else 1
+            print(f"waiting for a message from rank {sender}...", flush=True)
+            dist.recv(torch.empty(1), src=sender)  # the sender never sends: it is at the barrier
         else:
             print("at the barrier", flush=True)
         dist.barrier()
