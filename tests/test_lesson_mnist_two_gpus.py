@@ -159,9 +159,10 @@ def test_the_simulated_nodes_are_what_torchrun_gives_two_nodes_of_two(tmp_path):
     assert seen == [(r["node"], r["RANK"], r["LOCAL_RANK"], 4, 2) for r in rows]
 
 
-SECOND_NODE = """import os
+SECOND_NODE = """import os, sys
 rank, gpus = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-print(f"rank {rank}: asks for cuda:{rank} of {gpus}", flush=True)
+sys.stdout.write(f"rank {rank}: asks for cuda:{rank} of {gpus}\\n")  # one write: no interleaving
+sys.stdout.flush()
 from datetime import timedelta
 import torch
 import torch.distributed as dist
