@@ -130,6 +130,8 @@ def test_each_version_equals_ddp_and_one_process_with_its_count(pool, name, coun
         assert rec["source"] == "the kit's solution"
         assert rec["equals_ddp"] and rec["equals_single"]
         assert rec["collectives"] == counts
+        # every version sends the six gradients' bytes once per step, however it groups them
+        assert rec["bytes"] == [lesson.gradient_bytes(lesson.tied_model(0).parameters())] * 3
     assert torch.equal(records[0]["params"], records[1]["params"])
     # DDP puts every gradient in one bucket for the first step, then rebuilds its buckets in
     # the order gradients arrived (two broadcasts agree on them) and uses them from then on.
@@ -159,6 +161,9 @@ def test_timed_versions_issue_the_collectives_the_notebook_prints(pool):
             "none": {}, "naive": {"all_reduce": 14}, "flat": {"all_reduce": 1},
             "overlapped": {"all_reduce": 14}, "bucketed": {"all_reduce": 4},
             "ddp": {"all_reduce": 4}}
+        grads = lesson.gradient_bytes(lesson.tied_model(0, **lesson.LARGE).parameters())
+        assert {n: t["bytes"] for n, t in per_rank.items()} == {
+            "none": 0, **{n: grads for n in lesson.TIMED[1:]}}
 
 
 def test_alpha_beta_fit_recovers_a_known_line():

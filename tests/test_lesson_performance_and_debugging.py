@@ -54,6 +54,15 @@ def test_the_fast_rank_waits_for_the_slow_one(no_leftovers):
     assert medians[1]["data"] > medians[0]["data"]  # rank 1 slept while loading
 
 
+def test_both_ways_times_every_part_of_the_same_steps(no_leftovers):
+    recs = dh.launch(lesson.allreduce_both_ways, args=(2, 2, 1), nprocs=2, output="none",
+                     timeout=60)
+    assert [r["rank"] for r in recs] == [0, 1]
+    for r in recs:
+        assert set(r) == {"rank", "ddp all-reduce", *lesson.MANUAL_PARTS}
+        assert all(r[k] >= 0 for k in lesson.MANUAL_PARTS) and r["ddp all-reduce"] > 0
+
+
 def test_step_phases_refuses_an_unknown_mode(no_leftovers):
     # Every rank raises; which one the launcher reports first depends on timing.
     with pytest.raises(dh.RankRaised, match="rank [01]: mode must be 'ddp' or 'manual'"):
@@ -83,6 +92,15 @@ def test_every_rank_exports_its_trace_for_perfetto(timelines, trace_dir):
         # The CPU's ranges ("gpu_user_annotation" repeats them in a GPU trace)
         names = [e.get("name") for e in events if e.get("cat") == "user_annotation"]
         assert names.count("step") == 2 and names.count("forward") == 2
+
+
+def test_the_sweep_summary_takes_step_and_all_reduce_from_the_profiled_steps(timelines):
+    rows = lesson.sweep_summary(timelines)
+    assert len(rows) == 4
+    for row, r in zip(rows, (r for records in timelines.values() for r in records)):
+        assert len(r["profiled_step_seconds"]) == 2  # the fixture profiles two steps
+        assert row["step"] == pytest.approx(sorted(r["profiled_step_seconds"])[0] / 2
+                                            + sorted(r["profiled_step_seconds"])[1] / 2)
 
 
 def test_a_smaller_bucket_cap_gives_more_buckets(timelines):
@@ -150,6 +168,19 @@ def test_allreduce_sweep_and_bandwidths(no_leftovers):
 @pytest.mark.parametrize("n, factor", [(2, 1.0), (4, 1.5), (8, 1.75)])
 def test_bus_factor_is_two_n_minus_one_over_n(n, factor):
     assert lesson.bus_factor(n) == factor
+
+
+@pytest.mark.parametrize("op, n, factor", [
+    ("all_reduce", 4, 1.5), ("all_gather", 4, 0.75), ("reduce_scatter", 8, 0.875),
+    ("broadcast", 8, 1.0)])
+def test_bus_factor_of_each_collective_as_nccl_tests_defines_it(op, n, factor):
+    assert lesson.bus_factor_of(op, n) == factor
+    assert lesson.bus_factor_of("all_reduce", n) == lesson.bus_factor(n)
+
+
+def test_bus_factor_of_refuses_an_unknown_collective():
+    with pytest.raises(ValueError, match="no bus factor"):
+        lesson.bus_factor_of("all_to_all", 4)
 
 
 def test_throughput_on_one_and_two_ranks(no_leftovers):

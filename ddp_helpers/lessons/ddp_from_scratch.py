@@ -2,7 +2,7 @@
 
 The notebook runs these on persistent ranks (`%%ranks`): a version is the learner's functions
 (or, until they are written, the kit's solution), trained for a few steps next to torch's DDP
-and a single process on the whole batch, with its collectives counted by torch's CommDebugMode.
+and a single process on the whole batch, with its collectives counted by the Ledger (calls and bytes).
 Everything returned to the parent is plain data (lists, dicts, floats, CPU tensors).
 """
 
@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..checks import Case, case
-from ..collectives import count_collectives
+from ..collectives import collective_bytes
 from ..data import rank_share
 from ..exercises import NotAttempted, exercise_check, require, solution_module
 from ..models import flat_params
@@ -173,7 +173,7 @@ def train(version: Version, rank: int, world_size: int, device: torch.device,
     module, state = version.setup(model)
     after_setup = flat_params(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)  # frozen: no gradient, left alone
-    losses, collectives = [], []
+    losses, collectives, sent = [], [], []
     for step in range(steps):
         x, y = rank_batch(step, rank, world_size, device, vocab=kw["vocab"])
         opt.zero_grad()
@@ -184,10 +184,13 @@ def train(version: Version, rank: int, world_size: int, device: torch.device,
             version.sync(state)
             losses.append(loss.item())
 
-        collectives.append(count_collectives(one_step))
+        summary = collective_bytes(one_step)  # the Ledger: {op: (calls, bytes this rank sent)}
+        collectives.append({op: n for op, (n, _) in summary.items()})
+        sent.append(sum(b for _, b in summary.values()))
         opt.step()
     return {"version": version.name, "source": version.source, "after_setup": after_setup,
-            "params": flat_params(model), "losses": losses, "collectives": collectives}
+            "params": flat_params(model), "losses": losses, "collectives": collectives,
+            "bytes": sent}
 
 
 def single_process(steps: int = STEPS, model_kw: dict | None = None) -> torch.Tensor:
@@ -218,7 +221,8 @@ def run_version(name: str, namespace: dict | None, rank: int, world_size: int,
 def describe(records: list[dict]) -> str:
     """The deterministic lines the notebook prints for one version's per-rank records."""
     first = records[0]
-    per_step = "; ".join(_counts(c) for c in first["collectives"])
+    per_step = "; ".join(f"{_counts(c)} ({b:,} B)"
+                         for c, b in zip(first["collectives"], first["bytes"]))
     yes = {True: "yes", False: "NO"}
     agree = all(torch.equal(r["params"], first["params"]) for r in records)
     return (f"{first['version']} ({first['source']}), {len(first['losses'])} SGD steps:\n"
@@ -227,7 +231,7 @@ def describe(records: list[dict]) -> str:
             f"  parameters equal one process on the whole batch, on every rank: "
             f"{yes[all(r['equals_single'] for r in records)]}\n"
             f"  the ranks' parameters are equal bit for bit: {yes[agree]}\n"
-            f"  collectives in each step (rank 0): {per_step}")
+            f"  collectives in each step (rank 0), with the bytes it sent: {per_step}")
 
 
 def _counts(collectives: dict[str, int]) -> str:
@@ -277,8 +281,10 @@ def time_versions(namespace: dict | None, rank: int, world_size: int, device: to
     steps = {name: stepper(make_version(name, namespace, bucket_mb, broadcast=False), rank,
                            world_size, device) for name in TIMED}
     seconds = median_seconds(steps, device, rounds)
-    return {name: {"seconds": seconds[name], "collectives": count_collectives(step)}
-            for name, step in steps.items()}
+    sent = {name: collective_bytes(step) for name, step in steps.items()}  # one more step each
+    return {name: {"seconds": seconds[name],
+                   "collectives": {op: n for op, (n, _) in sent[name].items()},
+                   "bytes": sum(b for _, b in sent[name].values())} for name in steps}
 
 
 def median_of(times: list[dict], name: str) -> float:
@@ -300,7 +306,8 @@ def describe_collectives(times: list[dict], bucket_mb: float) -> str:
     same = all(t[n]["collectives"] == times[0][n]["collectives"] for t in times for n in t)
     lines = [f"collectives in one step of the large TiedNet (buckets of {bucket_mb:g} MiB), "
              f"the same on every rank: {'yes' if same else 'NO'}"]
-    lines += [f"  {name:<11} {_counts(times[0][name]['collectives'])}" for name in times[0]]
+    lines += [f"  {name:<11} {_counts(times[0][name]['collectives']):<16}"
+              f"{times[0][name]['bytes']:>10,} bytes sent" for name in times[0]]
     return "\n".join(lines)
 
 
@@ -312,7 +319,8 @@ def bucket_sweep(namespace: dict | None, rank: int, world_size: int, device: tor
     steps = {cap: stepper(make_version("bucketed", namespace, cap, broadcast=False), rank,
                           world_size, device) for cap in caps_mb}
     seconds = median_seconds(steps, device, rounds)
-    return [{"cap_mb": cap, "seconds": seconds[cap], "all_reduces": count_collectives(step),
+    return [{"cap_mb": cap, "seconds": seconds[cap],
+             "all_reduces": {op: n for op, (n, _) in collective_bytes(step).items()},
              "bucket_bytes": [gradient_bytes(b) for b in make(tied_model(0, **LARGE), cap)]}
             for cap, step in steps.items()]
 
@@ -462,7 +470,8 @@ def compare_with_model(sweeps: list[list[dict]], compute_s: float, alpha: float,
     above = sum(min(s[i]["seconds"] for s in sweeps) > predicted_seconds(
         compute_s, alpha, bandwidth, row["bucket_bytes"], False) for i, row in enumerate(sweeps[0]))
     lines.append(f"measured minimum (mean of the ranks): cap {fastest:g} MiB; overlap model: "
-                 f"b* = sqrt(alpha B S) = {best:.2g} MiB; no-overlap model: one bucket")
+                 f"b* = sqrt(alpha B S) = {best:.2g} MiB (if backward makes gradients at B); "
+                 f"no-overlap model: one bucket")
     lines.append(f"measured above the no-overlap model at {above} of {len(sweeps[0])} caps")
     return "\n".join(lines)
 

@@ -145,6 +145,56 @@ def step_phases(rank: int, world_size: int, model_name: str = "linear", steps: i
                 "buckets": buckets, **records}
 
 
+def allreduce_both_ways(rank: int, world_size: int, steps: int = 30, warmup: int = 3) -> dict:
+    """The seed model's gradient averaged by hand and by DDP in the same steps, interleaved.
+
+    Each step runs backward on a plain model and times `average_gradients` in its parts, then
+    runs backward on a DDP copy and times its one bucket's all-reduce with the comm hook. Both
+    all-reduce the same 7,850 floats; interleaving puts the same load on both. Returns the
+    median seconds of each part (CPU clock: gloo's callback runs on the host)."""
+    with process_group(rank, world_size, verbose=False) as device:
+        plain = build_model("linear").to(device)
+        wrapped = DDP(build_model("linear").to(device), device_ids=device_ids(device))
+        times = timing.time_allreduce(wrapped)
+        parts: dict[str, list[float]] = {k: [] for k in MANUAL_PARTS + ("ddp all-reduce",)}
+        for i, (x, y) in enumerate(_batches(rank, warmup + steps, 64, device)):
+            plain.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(plain(x), y).backward()
+            manual = _manual_parts(plain)
+            times.reset()
+            wrapped.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            if i >= warmup:
+                for k, v in zip(MANUAL_PARTS, manual):
+                    parts[k].append(v)
+                parts["ddp all-reduce"].append(times.seconds())
+        return {"rank": rank, **{k: statistics.median(v) for k, v in parts.items()}}
+
+
+MANUAL_PARTS = ("flatten", "call until launched", "in flight", "wake-up", "divide, copy back")
+
+
+def _manual_parts(model: nn.Module) -> tuple[float, ...]:
+    """`average_gradients`, with a clock read between its parts (async + a callback, so that
+    "in flight" ends where DDP's hook span ends: when gloo's thread completes the work)."""
+    t0 = time.perf_counter()
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    t1 = time.perf_counter()
+    done: list[float] = []
+    work = dist.all_reduce(flat, async_op=True)
+    t2 = time.perf_counter()
+    work.get_future().then(lambda _: done.append(time.perf_counter())).wait()
+    t3 = time.perf_counter()
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, done[0] - t2, t3 - done[0], t4 - t3
+
+
 def phase_medians(records: list[dict]) -> list[dict[str, float]]:
     """Per rank, the median seconds of each phase and of the all-reduce (medians shrug off the
     odd slow step)."""
@@ -199,10 +249,12 @@ def bucket_timeline(rank: int, world_size: int, bucket_cap_mb: float = 25.0, ste
         if device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         dist.barrier()  # the ranks start the profiled steps together: one clock for the plot
+        profiled_seconds = []
         with profile(activities=activities) as prof:
             for b in data[warmup + steps:]:
-                with record_function("step"):
+                with record_function("step"), timing.Timer(device) as t:
                     step(*b)
+                profiled_seconds.append(t.seconds)  # the steps whose all-reduces are traced
             # gloo's thread closes the last bucket's event after DDP's wait has returned; on
             # torch 2.9.1 the profiler stopped first and lost it for 4 of 32 ranks, 0 of 80
             # with this barrier (and 0 of 32 without it on 2.14). The barrier costs nothing
@@ -213,6 +265,7 @@ def bucket_timeline(rank: int, world_size: int, bucket_cap_mb: float = 25.0, ste
             prof.export_chrome_trace(os.path.join(trace_dir, trace_name(bucket_cap_mb, rank)))
         return {"rank": rank, "bucket_cap_mb": bucket_cap_mb, "buckets": times.buckets,
                 "device": device.type, "step_seconds": seconds,
+                "profiled_step_seconds": profiled_seconds,
                 "events": _timeline(prof.events(), device.type)}
 
 
@@ -297,14 +350,15 @@ def overlap(events: list[dict], step: int | None = None) -> dict:
 
 
 def sweep_summary(sweep: dict[float, list[dict]]) -> list[dict]:
-    """One row per (bucket_cap_mb, rank): buckets, median step seconds, and the median over the
-    profiled steps of the all-reduce seconds and of the share of them exposed."""
+    """One row per (bucket_cap_mb, rank): buckets, and, over the same profiled steps, the median
+    step seconds, all-reduce seconds and share of them exposed (so an all-reduce never reads
+    longer than the steps it was part of)."""
     rows = []
     for cap, records in sweep.items():
         for r in records:
             o = overlap(r["events"])
             rows.append({"bucket_cap_mb": cap, "rank": r["rank"], "buckets": r["buckets"],
-                         "step": statistics.median(r["step_seconds"]),
+                         "step": statistics.median(r["profiled_step_seconds"]),
                          "all-reduce": o["all-reduce"], "exposed_ratio": o["exposed_ratio"]})
     return rows
 
@@ -352,6 +406,21 @@ def sweep_sizes(gpus: bool) -> list[int]:
 def bus_factor(world_size: int) -> float:
     """busbw / algbw for all-reduce: each byte crosses 2(N-1)/N links in a ring."""
     return 2 * (world_size - 1) / world_size
+
+
+BUS_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def bus_factor_of(op: str, world_size: int) -> float:
+    """busbw / algbw for a collective on N ranks, as nccl-tests defines it (doc/PERFORMANCE.md):
+    2(N-1)/N for all-reduce, (N-1)/N for all-gather and reduce-scatter (S being the whole
+    gathered or scattered buffer), 1 for broadcast and reduce."""
+    n = world_size
+    factors = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+               "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}
+    if op not in factors:
+        raise ValueError(f"no bus factor for {op!r}: one of {sorted(factors)}")
+    return factors[op]
 
 
 def bandwidths(records: list[dict]) -> dict:
