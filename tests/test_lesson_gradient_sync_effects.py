@@ -57,7 +57,7 @@ def test_averaging_every_k_steps_resets_the_distance_with_a_call_per_tensor(cfg)
     averages = cfg.steps // every  # 4
     assert results[0]["allreduce_bytes"] == [31_360, 40] * averages  # weight, then bias
     rows = lesson.traffic_rows({"average every 7 steps": results})
-    assert "8 all-reduce calls in 30 steps" in rows[0]
+    assert "8 all-reduce calls in 30 steps" in rows[0] and "MB all-reduced per rank" in rows[0]
 
 
 def test_split_by_label_gives_each_rank_its_digits_and_no_sync_fails(source):
@@ -76,8 +76,8 @@ def test_split_by_label_gives_each_rank_its_digits_and_no_sync_fails(source):
 def test_the_iid_runs_print_the_notebooks_numbers(source):
     base = lesson.SyncConfig(source=source, steps=150, train_subset=12_000)
     runs = {label: run(2, c) for label, c in lesson.sync_variants(base, every=10).items()}
-    assert [round(r["accuracy"], 4) for r in runs["no sync"]] == [0.8427, 0.8461]
-    assert [round(r["accuracy"], 4) for r in runs["DDP (sync every step)"]] == [0.8483] * 2
+    assert [round(r["accuracy"], 3) for r in runs["no sync"]] == [0.843, 0.846]
+    assert [round(r["accuracy"], 3) for r in runs["DDP (sync every step)"]] == [0.848] * 2
     gap = lesson.param_distance(runs["average every 10 steps"])
     assert bool((gap[10::10] == 0).all())
     assert [len(r["allreduce_bytes"]) for r in (runs["no sync"][0],
@@ -134,6 +134,11 @@ def test_ring_model_terms_and_fit():
     points = [(n, b, lesson.ring_seconds(b, n, 5e-5, 2e9)) for n in (2, 4) for b in (1e4, 1e7)]
     alpha, bandwidth = lesson.fit_ring(points)
     assert alpha == pytest.approx(5e-5, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
+    # Oversubscribed 4-rank points, three times slower, must not move a fit on N=2.
+    slow = [(n, b, 3 * s if n == 4 else s) for n, b, s in points]
+    alpha, bandwidth = lesson.fit_ring_on(slow, world_size=2)
+    assert alpha == pytest.approx(5e-5, rel=1e-6) and bandwidth == pytest.approx(2e9, rel=1e-6)
+    assert lesson.fit_ring(slow)[0] > 1.1 * 5e-5  # while a fit over every point is dragged up
 
 
 def test_allreduce_times_on_gloo_for_two_and_four_ranks():

@@ -76,6 +76,52 @@ def test_collectives_of_a_step(runs, fsdp2_here):
                                                               "reduce_scatter": 4}
 
 
+def test_bytes_handed_in_and_sent_per_step(runs, fsdp2_here):
+    traffic = {k: r["traffic"] for k, r in by_kind(runs[0]).items()}
+    assert traffic["ddp"] == {"all_reduce": (1, 4 * PSI)}
+    assert traffic["zero1 (torch)"] == {"all_reduce": (1, 4 * PSI), "broadcast": (10, 4 * PSI)}
+    if "reduce_scatter" in traffic["zero1 (yours)"]:  # the flat vector, padded to 2 slices
+        assert traffic["zero1 (yours)"] == {"all_gather": (1, 2 * PSI),
+                                            "reduce_scatter": (1, 4 * PSI)}
+    text = lesson.describe_collectives(runs)
+    assert "all_reduce x1 (215.0 KiB)" in text and "NO" not in text
+    sent = {k: r["sent"] for k, r in by_kind(runs[0]).items()}
+    if sent["ddp"] is None:
+        pytest.skip("no /proc/self/io here: socket bytes are not measurable")
+    # What gloo wrote to its sockets: DDP's bucket once (a ring at N=2), plus headers;
+    # ZeRO-1 by hand 1.5x, because gloo pays its reduce-scatter as a whole all-reduce.
+    assert 4 * PSI <= sent["ddp"] < 4 * PSI + 4096
+    assert 1.4 < sent["zero1 (yours)"] / sent["ddp"] < 1.6
+    assert sent["zero1 (torch)"] > sent["ddp"] + 40_000  # + the broadcasts of its own shard
+    assert "1.5x" in lesson.describe_sent(runs)
+
+
+def test_reshard_after_forward_false_skips_backward_all_gathers(pool, fsdp2_here):
+    assert lesson.fsdp2_expected(reshard_after_forward=False) == {"all_gather": 4,
+                                                                  "reduce_scatter": 4}
+    out = pool.run("""
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from ddp_helpers.ledger import Ledger
+mesh = init_device_mesh(device.type, (world_size,))
+kept = lesson.mlp(0).to(device)
+for block in lesson.blocks_of(kept):
+    fully_shard(block, mesh=mesh, reshard_after_forward=False)
+fully_shard(kept, mesh=mesh)
+x, y = lesson.rank_batch(0, rank, world_size, device)
+with lesson.quiet_fsdp2():
+    F.cross_entropy(kept(x), y).backward()
+    tracker = FSDPMemTracker(kept)
+    with tracker, Ledger() as ledger:
+        F.cross_entropy(kept(x), y).backward()
+lesson.peak_kib(tracker), ledger.counts()""")
+    for peak, counts in out:
+        assert counts == {"all_gather": 4, "reduce_scatter": 4}
+        assert 0 < peak["unsharded parameters then"] <= 4 * PSI / 1024 < peak["peak"]
+
+
 def test_fsdp2_collectives_per_module(pool, fsdp2_here):
     if not fsdp2_here:
         pytest.skip("FSDP2 does not run on a CPU mesh with this torch")

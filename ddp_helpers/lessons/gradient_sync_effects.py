@@ -204,10 +204,11 @@ def run_summary(results: list[dict]) -> list[str]:
     """Lines for the parent to print: per rank its final loss and accuracy, then the distance."""
     gap = param_distance(results)
     lines = [f"rank {r['rank']}: {r['samples_seen']:,} samples in {len(r['loss'])} steps, "
-             f"last loss {r['loss'][-1]:.3f}, test accuracy {r['accuracy']:.4f}" for r in results]
+             f"last loss {r['loss'][-1]:.3f}, test accuracy {r['accuracy']:.3f}" for r in results]
     if len(results) > 1:
-        lines.append(f"parameter distance between the ranks: {gap[-1].item():.4g} after the last "
-                     f"step, largest over all steps {gap.max().item():.4g}")
+        # Three digits: a fourth would follow the float rounding of another CPU's kernels.
+        lines.append(f"parameter distance between the ranks: {gap[-1].item():.3g} after the last "
+                     f"step, largest over all steps {gap.max().item():.3g}")
     return lines
 
 
@@ -225,7 +226,7 @@ def traffic_rows(runs: dict[str, list[dict]]) -> list[str]:
         calls = results[0]["allreduce_bytes"]
         sizes = sorted(set(calls))
         rows.append(f"{label:>24}: {len(calls):>3} all-reduce calls in {len(results[0]['loss'])} "
-                    f"steps, {sum(calls) / 1e6:.2f} MB per rank "
+                    f"steps, {sum(calls) / 1e6:.2f} MB all-reduced per rank "
                     f"(sizes: {', '.join(f'{s:,} B' for s in sizes) or 'none'})")
     return rows
 
@@ -323,6 +324,12 @@ def fit_ring(points: list[tuple[int, float, float]]) -> tuple[float, float]:
                                          ).solution.flatten().tolist()
     # A negative term means too few or too noisy points; clamp to something that still draws.
     return max(alpha, 1e-9), 1.0 / max(per_byte, 1e-15)
+
+
+def fit_ring_on(points: list[tuple[int, float, float]], world_size: int) -> tuple[float, float]:
+    """fit_ring on the points of one world size only: a fit over every N lets the
+    oversubscribed runs (more ranks than cores) drag the model for the others."""
+    return fit_ring([p for p in points if p[0] == world_size])
 
 
 def cost_points(measured: list[list[dict]]) -> list[tuple[int, float, float]]:

@@ -24,6 +24,7 @@ from ..checks import Case, case
 from ..collectives import count_collectives
 from ..data import rank_share
 from ..exercises import NotAttempted, exercise_check, require, solution_module
+from ..ledger import record
 from ..runtime import device_ids
 
 IN, WIDTH, BLOCKS, CLASSES = 32, 128, 3, 10
@@ -99,6 +100,15 @@ def memory_of(model: nn.Module, optimizer) -> dict[str, int]:
             "optimizer": _bytes(state), "copies": _bytes(copies)}
 
 
+def peak_kib(tracker) -> dict[str, float]:
+    """The peak an FSDPMemTracker (or MemTracker) saw on this rank's device, in KiB: in all,
+    and the unsharded parameters held at that moment (0 outside FSDP2)."""
+    snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    by_name = {getattr(kind, "value", kind): n for kind, n in snapshot.items()}
+    return {"peak": round(by_name["Total"] / 1024, 1),
+            "unsharded parameters then": round(by_name.get("Unsharded Param", 0) / 1024, 1)}
+
+
 def formulas(psi: int, world_size: int) -> dict[str, dict[str, float]]:
     """ZeRO paper's accounting for fp32 Adam: 4 bytes per parameter, per gradient, and 8 of
     Adam state (exp_avg, exp_avg_sq); ZeRO-1 shards the state, FSDP (ZeRO-3) everything."""
@@ -171,8 +181,8 @@ def train(kind: str, rank: int, world_size: int, device: torch.device,
     the collectives of the last step, and the parameters at the end."""
     model = mlp(0).to(device)
     module, step, opt = setup_training(kind, model, device, namespace)
-    losses, collectives, memory = [], {}, {}
-    with _quiet_fsdp2():
+    losses, collectives, traffic, sent, memory = [], {}, {}, None, {}
+    with quiet_fsdp2():
         for i in range(steps):
             x, y = rank_batch(i, rank, world_size, device)
 
@@ -183,18 +193,33 @@ def train(kind: str, rank: int, world_size: int, device: torch.device,
                 losses.append(loss.item())
 
             if i == steps - 1:  # the last step, counted (FSDP2 and DDP are in steady state)
-                collectives = count_collectives(one_step)
+                before = bytes_written()
+                ledger = record(one_step)
+                collectives, traffic = ledger.counts(), ledger.summary()
+                sent = None if before is None else bytes_written() - before
             else:
                 one_step()
             if i == 0:
                 memory = memory_of(model, opt)
             model.zero_grad(set_to_none=False)  # keep the gradients allocated, as a loop would
     return {"kind": kind, "losses": losses, "memory": memory, "collectives": collectives,
-            "params": full_params(model)}
+            "traffic": traffic, "sent": sent, "params": full_params(model)}
+
+
+def bytes_written() -> int | None:
+    """Bytes this process has written so far (Linux's /proc/self/io `wchar`, all threads).
+    Around a step in which the rank prints nothing, that is what gloo wrote to its TCP
+    sockets: the bytes the backend really sent, emulated collectives included. None where
+    /proc is missing; NCCL's GPU traffic never passes through write(), so it is not seen."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar"))
+    except (OSError, StopIteration):
+        return None
 
 
 @contextlib.contextmanager
-def _quiet_fsdp2() -> Iterator[None]:
+def quiet_fsdp2() -> Iterator[None]:
     """Silence FSDP2's warning that the root returned a view: the loss reads the output once,
     with no in-place op, which is the case the warning guards against."""
     with warnings.catch_warnings():
@@ -210,7 +235,7 @@ def fsdp2_status(device: torch.device) -> str:
     try:
         model = nn.Sequential(nn.Linear(4, 4)).to(device)
         shard_fully(model, device)
-        with _quiet_fsdp2():
+        with quiet_fsdp2():
             model(torch.ones(1, 4, device=device)).sum().backward()
     except Exception as e:  # noqa: BLE001 - any refusal means "not here"
         return f"does not run here: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
@@ -272,11 +297,12 @@ def ddp_all_reduces(rank: int, world_size: int, device: torch.device,
     return out
 
 
-def fsdp2_expected(blocks: int = BLOCKS) -> dict[str, int]:
+def fsdp2_expected(blocks: int = BLOCKS, reshard_after_forward: bool = True) -> dict[str, int]:
     """FSDP2's collectives per step: forward all-gathers every group (blocks + root); backward
-    all-gathers the blocks again (resharded after forward; the root is not) and reduce-scatters
-    every group's gradients."""
-    return {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}
+    all-gathers the blocks again if they were resharded after forward (the root never is) and
+    reduce-scatters every group's gradients."""
+    again = blocks if reshard_after_forward else 0
+    return {"all_gather": blocks + 1 + again, "reduce_scatter": blocks + 1}
 
 
 def fsdp2_per_module(rank: int, world_size: int, device: torch.device) -> list[tuple]:
@@ -287,7 +313,7 @@ def fsdp2_per_module(rank: int, world_size: int, device: torch.device) -> list[t
     shard_fully(model, device)
     x, y = rank_batch(0, rank, world_size, device)
     mode = compat.comm_debug_mode()()
-    with _quiet_fsdp2():
+    with quiet_fsdp2():
         F.cross_entropy(model(x), y).backward()  # the first step sets FSDP2's order up
         with mode:
             F.cross_entropy(model(x), y).backward()
@@ -398,7 +424,10 @@ def register_hook(ddp: DDP, name: str) -> None:
 
 @contextlib.contextmanager
 def all_reduce_bytes() -> Iterator[list[int]]:
-    """Record the bytes of every dist.all_reduce called from Python (the comm hooks' calls)."""
+    """Record the bytes of every dist.all_reduce called from Python (the comm hooks' calls).
+    Not the ledger: PowerSGD issues its P and Q all-reduces from inside a future's callback,
+    and the ledger (a dispatch mode, like CommDebugMode) does not see those (lesson 10 shows
+    it: one all-reduce a step on the ledger, three calls of dist.all_reduce)."""
     sent, original = [], dist.all_reduce
 
     def counted(tensor, *args, **kwargs):
@@ -454,14 +483,32 @@ def hook_status(hook: str, device: torch.device) -> str:
 
 
 def describe_collectives(runs: list[list[dict]]) -> str:
-    """The collectives of one (steady-state) step for each way of training, and whether every
-    rank counted the same."""
-    same = all(r[i]["collectives"] == runs[0][i]["collectives"]
-               for r in runs for i in range(len(r)))
-    lines = [f"collectives in one step, the same on every rank: {'yes' if same else 'NO'}"]
+    """The collectives of one (steady-state) step for each way of training, with the bytes
+    each rank handed to them (the ledger), and whether every rank counted the same."""
+    same = all(r[i]["traffic"] == runs[0][i]["traffic"] for r in runs for i in range(len(r)))
+    lines = [f"collectives in one step (KiB this rank handed in), the same on every rank: "
+             f"{'yes' if same else 'NO'}"]
     for first in runs[0]:
-        counts = ", ".join(f"{op} x{n}" for op, n in first["collectives"].items())
-        lines.append(f"  {first['kind']:<14} {counts}")
+        calls = ", ".join(f"{op} x{n} ({b / 1024:.1f} KiB)" for op, (n, b)
+                          in first["traffic"].items())
+        lines.append(f"  {first['kind']:<14} {calls}")
+    return "\n".join(lines)
+
+
+def describe_sent(runs: list[list[dict]], exact: bool = False) -> str:
+    """Bytes each rank wrote to its sockets in that step (bytes_written) with `exact`, else only
+    the ratio to DDP's, rounded so that a few bytes of message headers cannot change it."""
+    what = "bytes" if exact else "against DDP's bytes"
+    lines = [f"each rank's socket writes in that step (what gloo sent), {what}:"]
+    base = [r[0]["sent"] for r in runs]
+    for i, first in enumerate(runs[0]):
+        sent = [r[i]["sent"] for r in runs]
+        if None in sent + base:
+            lines.append(f"  {first['kind']:<14} not measurable here (no /proc/self/io)")
+            continue
+        cells = "  ".join(f"rank {k} " + (f"{s:>9,} B" if exact else f"{s / b:.1f}x")
+                          for k, (s, b) in enumerate(zip(sent, base)))
+        lines.append(f"  {first['kind']:<14} {cells}")
     return "\n".join(lines)
 
 
