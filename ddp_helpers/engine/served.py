@@ -145,10 +145,13 @@ class ServedSet:
 
     # -- stopping -------------------------------------------------------------------------------
 
-    def shutdown(self, drain: float = 0.0) -> None:
+    def shutdown(self, drain: float = 0.0, clean: bool = True) -> None:
         """Tell every rank to Stop (it destroys its group and exits 0, so torchrun ends), wait
-        for the connections to close, then close them: a rank whose connection closes exits."""
-        if not self.stopped:
+        for the connections to close, then close them: a rank whose connection closes exits.
+        `clean=False` (after a failure) closes them at once: the ranks exit with a failure
+        code, so that every torchrun agent ends (or restarts) instead of waiting in its exit
+        barrier for the node that failed."""
+        if clean and not self.stopped:
             for r in self.chans:
                 if self.alive(r):
                     self.send(r, Stop())
@@ -289,13 +292,16 @@ class ServedRanks(Ranks):
         self._listener.remove_token()
 
     def _drop(self, reason, where, *, interrupted=False) -> str:
+        if self._set is not None:
+            self._set.shutdown(clean=False)
         self._shutdown()
         self._stopped_because = reason
         from .ranks import _where_text
 
-        text = (f"Every rank was stopped ({reason}){_where_text(where)}: each served rank "
-                "exited, and so did its torchrun job. Their variables are gone; start the "
-                "torchrun jobs again after `%ranks listen N` for a fresh group.")
+        text = (f"Every rank was stopped ({reason}){_where_text(where)}: the notebook closed "
+                "their connections, so each served rank exited (code 3) and its torchrun agent "
+                "ended. Their variables are gone; `%ranks listen N` and start the torchrun "
+                "jobs again for a fresh group.")
         if interrupted:
             print(f"ddp_helpers: {text}", flush=True)
         return text
