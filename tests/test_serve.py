@@ -178,3 +178,36 @@ def test_listen_prints_what_to_paste_and_warns_off_loopback():
             pool.wait_ready(0.5, progress=False)
     finally:
         pool.stop()
+
+
+_NOTEBOOK = """
+import sys, time
+import ddp_helpers as dh
+pool = dh.Ranks.listen(1, port=int(sys.argv[1]), token_file=sys.argv[2])
+pool.wait_ready(240, progress=False)
+print(pool.run("rank + 41", output="none")[0], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dying_kernel_makes_its_served_ranks_exit(tmp_path):
+    token_file = auth.token_file_at(str(tmp_path / "token"))
+    port = dh.free_port()
+    kernel = subprocess.Popen([sys.executable, "-c", _NOTEBOOK, str(port), token_file],
+                              stdout=subprocess.PIPE, text=True, cwd=lesson.ROOT)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(dh.free_port())}
+    rank = subprocess.Popen([sys.executable, "-m", "ddp_helpers.serve", "--connect",
+                             f"127.0.0.1:{port}", "--token-file", token_file], env=env,
+                            cwd=lesson.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert kernel.stdout.readline().strip() == "41"  # attached, and ran a cell
+        kernel.kill()  # the kernel dies without stopping its ranks
+        kernel.wait()
+        assert rank.wait(HANG_GUARD) == served_rank._GONE_EXIT
+    finally:
+        for p in (kernel, rank):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        kernel.stdout.close()

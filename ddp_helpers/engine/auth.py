@@ -43,6 +43,18 @@ def new_token_file(directory: str | None = None) -> str:
     return path
 
 
+def token_file_at(path: str) -> str:
+    """`path` holding a token: a fresh one (mode 0600) if the file does not exist yet."""
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IRUSR | stat.S_IWUSR)
+        try:
+            os.write(fd, secrets.token_hex(32).encode())
+        finally:
+            os.close(fd)
+    return path
+
+
 def read_token(path: str) -> bytes:
     """The token in `path`; refuses a file that others may read (someone could copy it)."""
     mode = os.stat(path).st_mode

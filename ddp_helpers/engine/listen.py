@@ -38,8 +38,10 @@ class Listener:
     def __init__(self, nprocs: int, host: str, port: int, setup: Setup,
                  token_file: str | None = None):
         self.nprocs, self.setup = nprocs, setup
-        self.token_file = token_file or auth.new_token_file()
+        # A given path may already hold a token (kept across sessions) or gets a fresh one.
         self.own_token_file = token_file is None
+        self.token_file = auth.new_token_file() if token_file is None else \
+            auth.token_file_at(token_file)
         self.token = auth.read_token(self.token_file)
         self.sock = socket.create_server((host, port), backlog=_BACKLOG, reuse_port=False)
         self.host, self.port = self.sock.getsockname()[:2]

@@ -1,4 +1,5 @@
-"""`%ranks listen N [--host H] [--port P] [--nodes K] [--timeout S] [--backend B]`: listen for
+"""`%ranks listen N [--host H] [--port P] [--nodes K] [--timeout S] [--backend B]
+[--token-file PATH]`: listen for
 N ranks that torchrun (or srun) starts, print the command lines to paste, and make the pool
 the one `%%ranks` uses; the next `%%ranks` cell waits until every rank is in."""
 
@@ -29,6 +30,7 @@ def _parser() -> _Parser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--token-file", default=None)
     return p
 
 
@@ -38,7 +40,8 @@ def listen_line(line: str) -> None:
     old = ranks.current()
     if old is not None and old.running:
         old.stop()
-    pool = ServedRanks(args.nprocs, args.host, args.port, args.timeout, backend=args.backend)
+    pool = ServedRanks(args.nprocs, args.host, args.port, args.timeout, backend=args.backend,
+                       token_file=args.token_file)
     ranks._current = pool
     lines = pool.command_lines(args.nodes)
     print(f"listening on {pool.address} for {args.nprocs} ranks (token in {pool.token_file}).\n"
