@@ -1,8 +1,10 @@
 """Persistent ranks, side by side in one run: starting two ranks, a trivial cell's round trip,
 and a dist.all_reduce cell against the all-reduce's own time on the ranks; ipyparallel's engines
-and its %%px round trip beside them when ipyparallel is installed (`pip install ipyparallel`).
+and its %%px round trip beside them when ipyparallel is installed (`pip install ipyparallel`);
+and served ranks (two torchrun agents as two "nodes", attached through dh.Ranks.listen): the
+time from listen to ready, and a trivial cell's round trip over the socket.
 
-    python -m bench.ranks [--starts 10] [--cells 200]
+    python -m bench.ranks [--starts 10] [--cells 200] [--served-starts 3]
 """
 
 from __future__ import annotations
@@ -40,6 +42,28 @@ def ranks_rows(starts: int, cells: int) -> dict[str, list[float]]:
     return rows
 
 
+def served_rows(starts: int, cells: int) -> dict[str, list[float]]:
+    """Served ranks: two torchrun agents (c10d on loopback, one worker each) attach to
+    dh.Ranks.listen; seconds from listen to every rank ready, and per trivial cell."""
+    from ddp_helpers.lessons import beyond_one_machine as lesson
+
+    ready, trivial = [], []
+    for i in range(starts):
+        t0 = time.perf_counter()
+        pool = dh.Ranks.listen(2, timeout=60, output="none")
+        agents = lesson.served_agents(pool, nnodes=2, nproc_per_node=1)
+        try:
+            pool.wait_ready(240, progress=False)
+            ready.append(time.perf_counter() - t0)
+            if i == 0:
+                trivial = timed(lambda p=pool: p.run("1"), cells, warmup=20)
+        finally:
+            pool.stop()
+            lesson.agents_ended(agents)
+    return {"served: listen to ready, 2 torchrun nodes": ready,
+            "served: trivial cell round trip (socket)": trivial}
+
+
 def ipyparallel_rows(cells: int) -> dict[str, list[float]]:
     """The same figures for ipyparallel's engines (%%px runs view.execute(cell, block=True))."""
     try:
@@ -66,8 +90,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--starts", type=int, default=10, help="timed warm starts")
     p.add_argument("--cells", type=int, default=200, help="timed cells per row")
+    p.add_argument("--served-starts", type=int, default=3, help="timed torchrun attaches")
     a = p.parse_args(argv)
-    rows = {**ranks_rows(a.starts, a.cells), **ipyparallel_rows(a.cells)}
+    rows = {**ranks_rows(a.starts, a.cells), **served_rows(a.served_starts, a.cells),
+            **ipyparallel_rows(a.cells)}
     medians = {k: median(v) for k, v in rows.items()}
     table = [[name, str(len(rows[name])), _ms(m)] for name, m in medians.items()]
     overhead = (medians["dh.Ranks: dist.all_reduce(t) cell"]
@@ -75,13 +101,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     notes = [f"A dist.all_reduce cell costs {_ms(overhead)} more than the all-reduce inside it "
              "(target: at most 2 ms). The all-reduce itself is slower in a cell than back to "
              "back: the ranks start it a little apart and wake from idle."]
+    socket_cell, pipe_cell = (medians["served: trivial cell round trip (socket)"],
+                              medians["dh.Ranks: trivial cell round trip"])
+    notes.append(f"Served ranks: a trivial cell over the socket takes "
+                 f"{socket_cell / pipe_cell:.1f}x the pipe's; attaching two torchrun nodes takes "
+                 f"{medians['served: listen to ready, 2 torchrun nodes']:.1f} s from listen to "
+                 "ready (torchrun's rendezvous and a fresh Python + torch per worker).")
     if "ipyparallel: trivial %%px round trip" in medians:
         px, ours = (medians["ipyparallel: trivial %%px round trip"],
                     medians["dh.Ranks: trivial cell round trip"])
         start = medians["ipyparallel: start 2 engines"] / medians["dh.Ranks(2): start, warm"]
         notes.append(f"Trivial cell: dh.Ranks is {px / ours:.1f}x faster than ipyparallel's "
-                     f"%%px; a warm start of two ranks is {start:.0f}x faster than starting "
-                     "two ipyparallel engines.")
+                     f"%%px (served ranks: {px / socket_cell:.1f}x); a warm start of two ranks "
+                     f"is {start:.0f}x faster than starting two ipyparallel engines.")
     notes.append("Targets: a warm start under 1 s, a trivial cell at most 5 ms median.")
     write_table("ranks", ["operation (two ranks, CPU, gloo)", "runs", "median"], table,
                 notes=" ".join(notes))

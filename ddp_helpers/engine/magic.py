@@ -54,6 +54,10 @@ def _cell_parser() -> _Parser:
 
 def ranks_line(line: str) -> object:
     """%ranks start N | stop | restart | status."""
+    if line.split()[:1] == ["listen"]:  # ranks that torchrun starts: listen_magic.py
+        from .listen_magic import listen_line
+
+        return listen_line(line)
     args = _start_parser().parse_args(shlex.split(line, comments=True))
     pool = current()
     if args.action == "start":

@@ -247,6 +247,20 @@ class Ranks:
               f"{self._stopped_because})", flush=True)
         self.start()
 
+    # -- ranks that torchrun or Slurm started (served.py) ---------------------------------------
+
+    @classmethod
+    def listen(cls, nprocs: int = 2, host: str = "127.0.0.1", port: int = 0,
+               timeout: float = 60, **options) -> Ranks:
+        """A pool of `nprocs` ranks that torchrun (or srun) starts with `python -m
+        ddp_helpers.serve --connect pool.address --token-file pool.token_file`; not ready until
+        `pool.wait_ready(seconds)` (or the first run()). Listens on loopback unless `host`
+        says otherwise. Then run/get/push/status/stop work as for `Ranks(...)`."""
+        from .served import ServedRanks
+
+        return ServedRanks(nprocs, host, port, timeout, **options)
+
+
 def current() -> Ranks | None:
     """The pool started last (by `%ranks start` or `dh.Ranks(...)`), running or not."""
     return _current

@@ -120,8 +120,9 @@ def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every:
         x, y = make_dataset(seed)
         model = make_model(seed).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        # Every rank loads the checkpoint itself: the optimizer's momentum is per rank, and DDP
-        # broadcasts parameters and buffers only. Loading before DDP's first broadcast keeps ranks
+        # Every rank loads the checkpoint itself: each keeps its own copy of the optimizer state
+        # (identical across ranks, built from the same averaged gradients) and DDP broadcasts
+        # parameters and buffers only, never it. Loading before DDP's first broadcast keeps ranks
         # in step.
         ckpt = load_checkpoint(out)
         start = 0
@@ -234,6 +235,54 @@ def restart_summary(records: list[dict]) -> dict:
 def final_params(out_dir: str | os.PathLike) -> torch.Tensor:
     """The flat parameters rank 0 saved at the end of a run."""
     return torch.load(Path(out_dir) / FINAL, map_location="cpu", weights_only=True)["params"]
+
+
+# ---------------------------------------------------------------- served ranks: %%ranks on torchrun
+
+
+def served_agents(pool=None, nnodes: int = 2, nproc_per_node: int = 1,
+                  log_dir: str | os.PathLike | None = None,
+                  envs: list[dict] | None = None) -> list[subprocess.Popen]:
+    """Start `nnodes` torchrun agents on this machine, as many "nodes" meeting through c10d on
+    loopback, whose workers are `python -m ddp_helpers.serve` ranks attached to `pool` (a
+    dh.Ranks.listen pool; by default the one `%ranks listen` made). `envs[n]` is added to agent
+    n's environment (e.g. its own CUDA_VISIBLE_DEVICES). Each agent's output goes to
+    agent<N>.log in `log_dir` (a temporary folder by default). Returns the agents; they end
+    when the pool stops."""
+    from ddp_helpers import free_port
+    from ddp_helpers.engine import current
+
+    pool = pool or current()
+    envs = envs or [{}] * nnodes
+
+    logs = Path(log_dir or tempfile.mkdtemp(prefix="served_agents_"))
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = []
+    for node in range(nnodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(logs / f"tr{node}"),
+               "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "served",
+               "-m", "ddp_helpers.serve", "--connect", pool.address,
+               "--token-file", pool.token_file]
+        with open(logs / f"agent{node}.log", "w") as log:
+            agents.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **envs[node]},
+                                           start_new_session=True))
+    return agents
+
+
+def agents_ended(agents: list[subprocess.Popen], timeout: float = 60) -> list[int | None]:
+    """Each agent's exit code once it ends (None: still running after `timeout`, then killed:
+    a served rank must never outlive its pool)."""
+    codes = []
+    for agent in agents:
+        try:
+            codes.append(agent.wait(timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+            codes.append(None)
+    return codes
 
 
 # ---------------------------------------------------------------- the command line torchrun runs

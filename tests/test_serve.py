@@ -1,0 +1,213 @@
+"""Served ranks (`python -m ddp_helpers.serve`, `dh.Ranks.listen`): ranks that torchrun started,
+attached to the notebook over authenticated sockets. Two torchrun agents act as two nodes (c10d
+on loopback); the security cases attack the listening port with junk, a wrong token, a replayed
+handshake and a connection after every rank is in. Real processes, real gloo.
+
+Where two processes fail together, only what is guaranteed is asserted: the killed rank's
+connection closes at once, while its peer first gets a gloo error (a knock-on, reported after a
+death) and is stopped by the pool, so the killed rank is the one named."""
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import ddp_helpers as dh
+from ddp_helpers.engine import auth, served_rank
+from ddp_helpers.engine.listen import Listener
+from ddp_helpers.engine.sockets import Setup
+from ddp_helpers.lessons import beyond_one_machine as lesson
+
+HANG_GUARD = 240  # seconds: only stops a hung run, never a pass/fail criterion
+
+
+def test_two_torchrun_nodes_attach_run_collectives_and_report_a_killed_worker(tmp_path):
+    pool = dh.Ranks.listen(2, timeout=60)
+    agents = lesson.served_agents(pool, nnodes=2, nproc_per_node=1, log_dir=tmp_path)
+    try:
+        pool.wait_ready(HANG_GUARD, progress=False)
+        seen = pool.run("import os\nt = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\n"
+                        "(int(os.environ['RANK']), int(os.environ['GROUP_RANK']), "
+                        "int(os.environ['LOCAL_RANK']), t.item())", output="none")
+        assert [s[0] for s in seen] == [0, 1]  # run() returns in RANK order
+        assert sorted(s[1] for s in seen) == [0, 1]  # one rank on each "node"
+        assert [s[2] for s in seen] == [0, 0]  # the only worker of its node
+        assert [s[3] for s in seen] == [3.0, 3.0]
+        table = str(pool.status())
+        assert "GROUP_RANK" in table and f"host {socket.gethostname()}" in table
+        pool.push(x=5)
+        assert pool.get("x") == [5, 5]
+        with pytest.raises(dh.RankDied) as info:
+            pool.run("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                     "t = torch.ones(1)\ndist.all_reduce(t)", timeout=HANG_GUARD, output="none")
+        text = str(info.value)
+        assert info.value.rank == 1
+        assert f"host {socket.gethostname()}" in text and "GROUP_RANK" in text
+        assert "torchrun" in text  # says what became of the jobs
+        codes = lesson.agents_ended(agents, timeout=HANG_GUARD)
+        assert None not in codes  # both agents ended by themselves: nothing left behind
+        assert 0 not in codes  # each agent reports a failure: none waits in its exit barrier
+        with pytest.raises(dh.LaunchRefused, match="listen"):
+            pool.run("1")
+    finally:
+        pool.stop()
+        lesson.agents_ended(agents, timeout=30)
+
+
+class _RunsCode:
+    """Unpickling this creates `path`: the proof that a peer's bytes were unpickled."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _framed(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload  # multiprocessing.Connection's framing
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(auth.HANDSHAKE_SECONDS * 2)
+    try:
+        while sock.recv(4096):
+            pass
+        return True
+    except OSError:  # reset: closed as well
+        return True
+
+
+def _served_rank(pool, rank: int, world: int, port: int) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return subprocess.Popen([sys.executable, "-m", "ddp_helpers.serve", "--connect",
+                             pool.address, "--token-file", pool.token_file], env=env,
+                            cwd=lesson.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_the_port_runs_nothing_for_a_peer_without_the_token(tmp_path):
+    marker = tmp_path / "unpickled"
+    evil = _framed(pickle.dumps(_RunsCode(marker))) + b"\0" * 128
+    pool = dh.Ranks.listen(2, timeout=60)
+    port = dh.free_port()
+    ranks = [_served_rank(pool, 0, 2, port)]
+    try:
+        host, p = pool.address.split(":")
+        # Junk (a pickle that would run code) instead of answering the challenge.
+        with socket.create_connection((host, int(p))) as junk:
+            junk.sendall(evil)
+            assert _closed_by_peer(junk)
+        # A wrong token: the listener does not answer with its proof, and closes.
+        wrong = tmp_path / "wrong"
+        wrong.write_text("0" * 64)
+        wrong.chmod(0o600)
+        with socket.create_connection((host, int(p))) as bad:
+            with pytest.raises(auth.AuthError):
+                auth.answer_challenge(bad, auth.read_token(str(wrong)), seconds=10)
+            with pytest.raises(OSError):
+                bad.sendall(evil)
+                bad.sendall(evil)
+                assert not bad.recv(1)  # closed
+                raise OSError("closed")
+        # A replay: an answer that was right for one connection's nonce, sent on the next.
+        token = auth.read_token(pool.token_file)
+        with socket.create_connection((host, int(p))) as first:
+            first.settimeout(10)
+            nonce = auth._read_exactly(first, len(auth.MAGIC) + auth.NONCE, 1e9)[len(auth.MAGIC):]
+            mine = os.urandom(auth.NONCE)
+            recorded = mine + auth._mac(token, b"rank", nonce, mine)
+        with socket.create_connection((host, int(p))) as replay:
+            auth._read_exactly(replay, len(auth.MAGIC) + auth.NONCE, 1e9)
+            replay.sendall(recorded + evil)
+            assert _closed_by_peer(replay)
+        # The pool still takes the ranks it waits for, and works.
+        ranks.append(_served_rank(pool, 1, 2, port))
+        pool.wait_ready(HANG_GUARD, progress=False)
+        assert pool.refusals >= 4  # junk, wrong token, the recorded one, the replay
+        # Every rank is in: the port is closed, so no one else can attach (nor a 2nd notebook).
+        with pytest.raises(OSError):
+            with socket.create_connection((host, int(p)), timeout=5) as late:
+                late.sendall(evil)
+                assert not late.recv(1)
+                raise OSError("closed")
+        assert pool.run("rank * 10", output="none") == [0, 10]
+        assert not marker.exists()  # nothing any attacker sent was unpickled
+        pool.stop()
+        assert [r.wait(HANG_GUARD) for r in ranks] == [0, 0]  # `%ranks stop`: clean exits
+        assert not os.path.exists(pool.token_file)
+    finally:
+        pool.stop()
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+                r.wait()
+
+
+def test_a_rank_refuses_a_listener_that_lacks_its_token(tmp_path):
+    """A second notebook (another token) cannot feed cells to a rank meant for the first."""
+    token_file = auth.new_token_file(str(tmp_path))
+    other = Listener(1, "127.0.0.1", 0, Setup())  # its own fresh token
+    try:
+        with pytest.raises(SystemExit, match="refused|closed"):
+            served_rank.attach(other.address, token_file, seconds=10)
+        assert not other.attached and other.refusals == 1
+    finally:
+        other.close()
+        other.remove_token()
+
+
+def test_token_files_are_private(tmp_path):
+    path = auth.new_token_file(str(tmp_path))
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    os.chmod(path, 0o644)
+    with pytest.raises(auth.AuthError, match="chmod 600"):
+        auth.read_token(path)
+
+
+def test_listen_prints_what_to_paste_and_warns_off_loopback():
+    pool = dh.Ranks.listen(4, timeout=60)
+    try:
+        lines = pool.command_lines(nnodes=2)
+        assert f"--connect {pool.address} --token-file {pool.token_file}" in lines["torchrun"]
+        assert "--nnodes 2 --nproc-per-node 2" in lines["torchrun"] and "srun" in lines["srun"]
+        with pytest.raises(dh.LaunchRefused, match="0 of 4 ranks connected"):
+            pool.wait_ready(0.5, progress=False)
+    finally:
+        pool.stop()
+
+
+_NOTEBOOK = """
+import sys, time
+import ddp_helpers as dh
+pool = dh.Ranks.listen(1, port=int(sys.argv[1]), token_file=sys.argv[2])
+pool.wait_ready(240, progress=False)
+print(pool.run("rank + 41", output="none")[0], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dying_kernel_makes_its_served_ranks_exit(tmp_path):
+    token_file = auth.token_file_at(str(tmp_path / "token"))
+    port = dh.free_port()
+    kernel = subprocess.Popen([sys.executable, "-c", _NOTEBOOK, str(port), token_file],
+                              stdout=subprocess.PIPE, text=True, cwd=lesson.ROOT)
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(dh.free_port())}
+    rank = subprocess.Popen([sys.executable, "-m", "ddp_helpers.serve", "--connect",
+                             f"127.0.0.1:{port}", "--token-file", token_file], env=env,
+                            cwd=lesson.ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert kernel.stdout.readline().strip() == "41"  # attached, and ran a cell
+        kernel.kill()  # the kernel dies without stopping its ranks
+        kernel.wait()
+        assert rank.wait(HANG_GUARD) == served_rank._GONE_EXIT
+    finally:
+        for p in (kernel, rank):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        kernel.stdout.close()
