@@ -118,32 +118,75 @@ def _shared_folder() -> str:
 
 
 def _counting_writer(calls: list[str], seconds: float):
-    """write_slowly at `seconds` per line, noting each call in `calls`."""
+    """write_slowly at `seconds` per line, noting each call in `calls` as it starts and "done"
+    once it has returned (the ledger's callback reads that to place each collective)."""
     def write(path: str) -> None:
         calls.append(path)
         write_slowly(path, seconds)
+        calls.append("done")
     return write
+
+
+def _prepare_once_run(fn, rank: int, path: str, seconds: float, rank0_late: float) -> dict:
+    """One call of the learner's prepare_once on this rank, under a Ledger: what the file was
+    when it returned, how often write ran here, and each collective it called (op, whether this
+    rank's write had returned by then). Rank 0 starts `rank0_late` s late: a rank that does not
+    wait for it finds the file missing, however long it sleeps instead."""
+    from ..ledger import Ledger
+
+    calls: list[str] = []
+    seen: list[tuple[str, bool]] = []
+    if rank == 0:
+        time.sleep(rank0_late)
+    with Ledger(on_call=lambda c: seen.append((c.op, "done" in calls))):
+        fn(rank, path, _counting_writer(calls, seconds))
+    return {"file": inspect_file(path), "writes": calls.count(path), "ops": seen}
+
+
+def _prepare_once_cases(label: str, rank: int, runs: list[dict]) -> list[Case]:
+    """The cases of one writer on this rank, given every rank's run (rank order)."""
+    mine, zero = runs[rank], runs[0]
+    ops = [op for op, _ in mine["ops"]]
+    zero_ops = [op for op, _ in zero["ops"]]
+    cases = [case(f"{label}: the file when prepare_once returned on rank {rank}", mine["file"],
+                  "complete"),
+             case(f"{label}: calls of write on all ranks together",
+                  sum(r["writes"] for r in runs), 1),
+             Case(f"{label}: write runs on rank 0", zero["writes"] == 1,
+                  f"write ran {[r['writes'] for r in runs]} times on ranks 0, 1, ...")]
+    if rank == 0:
+        after = [op for op, written in zero["ops"] if written]
+        cases.append(Case(f"{label}: rank 0 reaches a collective after write returned",
+                          bool(after), f"rank 0 called {', '.join(zero_ops) or 'no collective'}"
+                          ", none after write returned: the others can leave while it writes"))
+    else:
+        cases.append(Case(f"{label}: rank {rank} waits for rank 0 in a collective", bool(ops),
+                          f"rank {rank} called no collective (a sleep is no wait: rank 0 may "
+                          "be later than any sleep)"))
+        cases.append(Case(f"{label}: rank {rank} calls what rank 0 calls", ops == zero_ops,
+                          f"rank {rank} called {', '.join(ops) or 'nothing'}, rank 0 "
+                          f"{', '.join(zero_ops) or 'nothing'}"))
+    return cases
 
 
 @exercise_check("prepare_once", "ranks")
 def check_prepare_once(namespace: dict) -> list[Case]:
     """prepare_once(rank, path, write): write runs once, on rank 0, and no rank returns before
-    the file is complete. Two files, written at two speeds."""
+    the file is complete. Two files, written at two speeds, the second with rank 0 starting late.
+    The ledger sees each rank's collectives: every rank waits in the same ones, and rank 0
+    reaches one after write returned (a sleep instead, or a barrier before write, FAILs)."""
     fn = require(namespace, "prepare_once")
     rank = dist.get_rank()
     folder = _shared_folder()
     cases = []
     try:
-        for label, seconds in (("a slow writer", 0.1), ("a slower writer", 0.25)):
-            path = os.path.join(folder, label.replace(" ", "_") + ".txt")
-            calls: list[str] = []
-            fn(rank, path, _counting_writer(calls, seconds))
-            cases.append(case(f"{label}: the file when prepare_once returned",
-                              inspect_file(path), "complete"))
-            count = torch.tensor([len(calls)])
-            dist.all_reduce(count)  # every rank waits here for the writer, whatever fn did
-            cases.append(case(f"{label}: calls of write on all ranks together",
-                              int(count.item()), 1))
+        for label, seconds, late in (("a slow writer", 0.1, 0.0),
+                                     ("a slower writer, rank 0 late", 0.25, 0.5)):
+            path = os.path.join(folder, label.replace(" ", "_").replace(",", "") + ".txt")
+            run = _prepare_once_run(fn, rank, path, seconds, late)
+            runs: list = [None] * dist.get_world_size()
+            dist.all_gather_object(runs, run)  # every rank waits here for the writer
+            cases += _prepare_once_cases(label, rank, runs)
     finally:
         dist.barrier()
         if rank == 0:

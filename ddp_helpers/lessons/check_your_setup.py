@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_helpers import launch
-from ddp_helpers.checks import case
+from ddp_helpers.checks import Case, case
 from ddp_helpers.exercises import exercise_check, require
 from ddp_helpers.runtime import available_backends, choose_backend, gpu_count, process_group
 
@@ -211,15 +211,33 @@ def verdict(report: dict, results: list[dict] | None) -> str:
 
 # -- exercises --------------------------------------------------------------------------------
 
+def _observed_sum_of_squares(rank: int, fn, world_size: int) -> tuple:
+    """On a rank: the learner's fn(rank, world_size) under a Ledger; (its result, the ops it
+    called), so that the check sees how the total was made, not only the number."""
+    from ddp_helpers.ledger import Ledger
+
+    with Ledger() as ledger:
+        value = fn(rank, world_size)
+    return value, [c.op for c in ledger.calls]
+
+
 @exercise_check("sum_of_squares", "file")
 def check_sum_of_squares(module) -> list:
-    """The learner's sum_of_squares(rank, world_size), launched on 2 and on 3 ranks."""
+    """The learner's sum_of_squares(rank, world_size), launched on 2 and on 3 ranks: every rank
+    returns the total and got it from an all_reduce (the ledger sees the call whatever name it
+    was imported under; a closed form or a reduce to rank 0 is not the exercise)."""
     fn = require(module, "sum_of_squares")
     cases = []
     for n in (2, 3):
-        got = launch(fn, args=(n,), nprocs=n, timeout=120, output="none")
+        got = launch(_observed_sum_of_squares, args=(fn, n), nprocs=n, timeout=120,
+                     output="none")
         want = float(sum((r + 1) ** 2 for r in range(n)))
-        cases.append(case(f"{n} ranks", got, [want] * n))
+        for r, (value, ops) in enumerate(got):
+            called = ", ".join(ops) or "no collective"
+            cases.append(Case(f"{n} ranks: rank {r} calls all_reduce", "all_reduce" in ops,
+                              f"rank {r} called {called}; every rank all-reduces its "
+                              "(rank + 1) ** 2"))
+            cases.append(case(f"{n} ranks: rank {r}'s total", value, want))
     return cases
 
 

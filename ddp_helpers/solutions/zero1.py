@@ -23,9 +23,13 @@ def zero1_step(model: torch.nn.Module, shard: torch.Tensor, optimizer) -> None:
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     grads = torch.nn.functional.pad(grads, (0, shard.numel() * world - grads.numel()))
     mine = torch.empty_like(shard)
+    # NCCL's reduce-scatter sends half an all-reduce's bytes. gloo has no real one: newer torch
+    # emulates this list form with one all-reduce per rank (ProcessGroupGloo::reduce_scatter,
+    # pytorch PR #149869), older torch lacks it. Either way gloo moves an all-reduce's bytes
+    # here, so ZeRO-1 by hand on gloo sends about 1.5x DDP's bytes (all-reduce + all-gather).
     if dist.get_backend() != "gloo" or compat.gloo_supports_reduce_scatter():
         dist.reduce_scatter(mine, list(grads.chunk(world)))  # the sum of my slice only
-    else:  # older gloo: the whole sum, then keep my slice (twice the traffic)
+    else:  # older gloo: the whole sum, then keep my slice (the same bytes, in one call)
         dist.all_reduce(grads)
         mine = grads.chunk(world)[rank]
     shard.grad = mine / world
