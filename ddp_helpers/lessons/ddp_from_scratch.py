@@ -2,7 +2,7 @@
 
 The notebook runs these on persistent ranks (`%%ranks`): a version is the learner's functions
 (or, until they are written, the kit's solution), trained for a few steps next to torch's DDP
-and a single process on the whole batch, with its collectives counted by the Ledger (calls and bytes).
+and a single process on the whole batch, with its collectives counted by the Ledger (calls, bytes).
 Everything returned to the parent is plain data (lists, dicts, floats, CPU tensors).
 """
 
