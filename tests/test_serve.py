@@ -168,8 +168,13 @@ def test_token_files_are_private(tmp_path):
         auth.read_token(path)
 
 
-def test_listen_prints_what_to_paste_and_warns_off_loopback():
+def test_listen_prints_what_to_paste_and_warns_off_loopback(capsys):
     pool = dh.Ranks.listen(4, timeout=60)
+    assert pool.address.startswith("127.0.0.1:")  # loopback unless told otherwise
+    assert "reachable" not in capsys.readouterr().out
+    wide = dh.Ranks.listen(1, host="0.0.0.0")
+    wide.stop()
+    assert "reachable from other machines" in capsys.readouterr().out
     try:
         lines = pool.command_lines(nnodes=2)
         assert f"--connect {pool.address} --token-file {pool.token_file}" in lines["torchrun"]
