@@ -118,12 +118,12 @@ class Listener:
         return None
 
     def _refuse(self, conn, note: str) -> None:
-        with contextlib.suppress(OSError):
-            conn.close()
-        with self.changed:
+        with self.changed:  # counted before the peer can see the close
             self.refusals += 1
             self.notes.append(note)
             self.changed.notify_all()
+        with contextlib.suppress(OSError):
+            conn.close()
 
     # -- the notebook's side --------------------------------------------------------------------
 

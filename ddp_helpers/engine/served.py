@@ -186,6 +186,10 @@ class ServedRanks(Ranks):
             print(f"ddp_helpers: listening on {self.address}, reachable from other machines: "
                   "whoever connects with the token can run code here.", flush=True)
 
+    def __repr__(self) -> str:
+        state = "attached" if self._set is not None else f"listening on {self.address}"
+        return f"<{self.nprocs} served ranks, {state}>"
+
     @property
     def address(self) -> str:
         """host:port for `python -m ddp_helpers.serve --connect`."""
