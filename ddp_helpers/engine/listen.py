@@ -140,6 +140,11 @@ class Listener:
         with contextlib.suppress(OSError):
             self.sock.close()
 
+    def shutdown(self) -> None:
+        """Stop listening and delete the token file it made."""
+        self.close()
+        self.remove_token()
+
     def remove_token(self) -> None:
         """Delete the token file if the listener made it."""
         if self.own_token_file:
