@@ -168,8 +168,13 @@ def test_token_files_are_private(tmp_path):
         auth.read_token(path)
 
 
-def test_listen_prints_what_to_paste_and_warns_off_loopback():
+def test_listen_prints_what_to_paste_and_warns_off_loopback(capsys):
     pool = dh.Ranks.listen(4, timeout=60)
+    assert pool.address.startswith("127.0.0.1:")  # loopback unless told otherwise
+    assert "reachable" not in capsys.readouterr().out
+    wide = dh.Ranks.listen(1, host="0.0.0.0")
+    wide.stop()
+    assert "reachable from other machines" in capsys.readouterr().out
     try:
         lines = pool.command_lines(nnodes=2)
         assert f"--connect {pool.address} --token-file {pool.token_file}" in lines["torchrun"]
@@ -183,7 +188,7 @@ def test_listen_prints_what_to_paste_and_warns_off_loopback():
 _NOTEBOOK = """
 import sys, time
 import ddp_helpers as dh
-pool = dh.Ranks.listen(1, port=int(sys.argv[1]), token_file=sys.argv[2])
+pool = dh.Ranks.listen(1, port=int(sys.argv[1]), token_file=sys.argv[2], output="none")
 pool.wait_ready(240, progress=False)
 print(pool.run("rank + 41", output="none")[0], flush=True)
 time.sleep(600)
@@ -211,3 +216,20 @@ def test_a_dying_kernel_makes_its_served_ranks_exit(tmp_path):
                 p.kill()
                 p.wait()
         kernel.stdout.close()
+
+
+def test_ranks_listen_magic_prints_the_lines_and_makes_the_pool_current(capsys):
+    from ddp_helpers.engine import current
+    from ddp_helpers.engine.magic import ranks_line
+
+    pool = ranks_line("listen 2 --nodes 2")
+    try:
+        out = capsys.readouterr().out
+        assert f"--connect {pool.address} --token-file {pool.token_file}" in out
+        assert "srun" in out and current() is pool
+        assert "not running (not attached yet" in str(ranks_line("status"))
+        with pytest.raises(dh.LaunchRefused, match="cannot be restarted"):
+            ranks_line("restart")
+    finally:
+        ranks_line("stop")
+    assert not os.path.exists(pool.token_file)

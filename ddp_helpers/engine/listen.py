@@ -118,12 +118,12 @@ class Listener:
         return None
 
     def _refuse(self, conn, note: str) -> None:
-        with contextlib.suppress(OSError):
-            conn.close()
-        with self.changed:
+        with self.changed:  # counted before the peer can see the close
             self.refusals += 1
             self.notes.append(note)
             self.changed.notify_all()
+        with contextlib.suppress(OSError):
+            conn.close()
 
     # -- the notebook's side --------------------------------------------------------------------
 
@@ -139,6 +139,11 @@ class Listener:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def shutdown(self) -> None:
+        """Stop listening and delete the token file it made."""
+        self.close()
+        self.remove_token()
 
     def remove_token(self) -> None:
         """Delete the token file if the listener made it."""

@@ -34,8 +34,9 @@ def _parser() -> _Parser:
     return p
 
 
-def listen_line(line: str) -> None:
-    """Stop the running pool, listen for new ranks, and print how to start them."""
+def listen_line(line: str) -> ServedRanks:
+    """Stop the running pool, listen for new ranks, and print how to start them; return the
+    pool (`pool = %ranks listen 4` keeps it for pool.address, pool.token_file)."""
     args = _parser().parse_args(shlex.split(line, comments=True))
     old = ranks.current()
     if old is not None and old.running:
@@ -48,3 +49,4 @@ def listen_line(line: str) -> None:
           f"Start them with torchrun (on each of the {args.nodes} node(s)):\n"
           f"  {lines['torchrun']}\nor inside a Slurm allocation:\n  {lines['srun']}\n"
           "The next %%ranks cell waits until every rank is connected.")
+    return pool

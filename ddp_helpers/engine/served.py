@@ -181,10 +181,15 @@ class ServedRanks(Ranks):
         self._stopped_because = "not attached yet: call .wait_ready()"
         self._listener = Listener(nprocs, host, port, Setup(self._env, timeout, group),
                                   token_file)
-        self._finalizer = weakref.finalize(self, self._listener.close)
+        self._finalizer = None  # set once attached: stops the ranks if the pool is dropped
+        weakref.finalize(self, self._listener.shutdown)  # a pool dropped before it attached
         if not self._listener.loopback:
             print(f"ddp_helpers: listening on {self.address}, reachable from other machines: "
                   "whoever connects with the token can run code here.", flush=True)
+
+    def __repr__(self) -> str:
+        state = "attached" if self._set is not None else f"listening on {self.address}"
+        return f"<{self.nprocs} served ranks, {state}>"
 
     @property
     def address(self) -> str:

@@ -198,6 +198,14 @@ def serve(address: str, token_file: str) -> None:
 
     chan, me, setup = attach(address, token_file)
     os.environ.update(setup.env)
+    # Under `srun python -m ddp_helpers.serve` (no torchrun) only Slurm's names are set:
+    # give dh.process_group and the learner's cells torchrun's.
+    for name, value in (("RANK", me.rank), ("WORLD_SIZE", me.world_size),
+                        ("LOCAL_RANK", me.local_rank), ("GROUP_RANK", me.group_rank)):
+        os.environ.setdefault(name, str(value))
+    if "SLURM_NTASKS_PER_NODE" in os.environ:
+        os.environ.setdefault("LOCAL_WORLD_SIZE",
+                              os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0])
     outputs, copies = _capture_output()
     link = Link(chan, outputs, copies)
     threading.Thread(target=link.forward_output, name="ddp_helpers-output", daemon=True).start()

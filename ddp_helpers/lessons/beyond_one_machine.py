@@ -240,19 +240,17 @@ def final_params(out_dir: str | os.PathLike) -> torch.Tensor:
 # ---------------------------------------------------------------- served ranks: %%ranks on torchrun
 
 
-def served_agents(pool=None, nnodes: int = 2, nproc_per_node: int = 1,
+def served_agents(pool, nnodes: int = 2, nproc_per_node: int = 1,
                   log_dir: str | os.PathLike | None = None,
                   envs: list[dict] | None = None) -> list[subprocess.Popen]:
     """Start `nnodes` torchrun agents on this machine, as many "nodes" meeting through c10d on
     loopback, whose workers are `python -m ddp_helpers.serve` ranks attached to `pool` (a
-    dh.Ranks.listen pool; by default the one `%ranks listen` made). `envs[n]` is added to agent
+    dh.Ranks.listen pool, or the one `pool = %ranks listen N` returned). `envs[n]` is added to agent
     n's environment (e.g. its own CUDA_VISIBLE_DEVICES). Each agent's output goes to
     agent<N>.log in `log_dir` (a temporary folder by default). Returns the agents; they end
     when the pool stops."""
     from ddp_helpers import free_port
-    from ddp_helpers.engine import current
 
-    pool = pool or current()
     envs = envs or [{}] * nnodes
 
     logs = Path(log_dir or tempfile.mkdtemp(prefix="served_agents_"))
