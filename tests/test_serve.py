@@ -41,8 +41,11 @@ def test_two_torchrun_nodes_attach_run_collectives_and_report_a_killed_worker(tm
         pool.push(x=5)
         assert pool.get("x") == [5, 5]
         with pytest.raises(dh.RankDied) as info:
-            pool.run("import os, signal\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-                     "t = torch.ones(1)\ndist.all_reduce(t)", timeout=HANG_GUARD, output="none")
+            # Rank 0 waits outside any collective: were it in an all-reduce, its gloo error
+            # could reach the notebook before rank 1's closed connection, and which rank is
+            # named first would be a race.
+            pool.run("import os, signal, time\nif rank == 1:\n    os.kill(os.getpid(), "
+                     "signal.SIGKILL)\ntime.sleep(60)", timeout=HANG_GUARD, output="none")
         text = str(info.value)
         assert info.value.rank == 1
         assert f"host {socket.gethostname()}" in text and "GROUP_RANK" in text
