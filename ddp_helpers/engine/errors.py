@@ -36,6 +36,14 @@ class LaunchError(Exception):
         return [f"{type(self).__name__}: {self}"]
 
 
+class CellInterrupted(KeyboardInterrupt):
+    """The stop button (KeyboardInterrupt) during a cell: every rank was stopped. Shown as its
+    one sentence: the kit's frames the interrupt passed through are not the learner's."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
+
+
 class LaunchRefused(LaunchError, ValueError):
     """Bad input found before any process was started."""
 

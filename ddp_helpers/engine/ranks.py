@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from .cell_server import serve
 from .census import pid_alive
 from .errors import (
+    CellInterrupted,
     CollectiveMismatch,
     LaunchError,
     LaunchRefused,
@@ -198,7 +199,10 @@ class Ranks:
                 outcome = wait(ranks, watch.done, deadline, give_up_once_settled)
             else:
                 outcome = wait(ranks, watch.done, deadline, watch.give_up, watch.stalled)
-        except BaseException:  # KeyboardInterrupt: the stop button in Jupyter
+        except KeyboardInterrupt:  # the stop button in Jupyter: one sentence, no kit frames
+            text = self._drop("the cell was interrupted", watch.where_all(), polite=False)
+            raise CellInterrupted(f"ddp_helpers: {text}") from None
+        except BaseException:
             self._drop("the cell was interrupted", watch.where_all(), interrupted=True)
             raise
         ranks.drain_output()
