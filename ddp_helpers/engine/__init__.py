@@ -6,7 +6,14 @@ Lessons and plots reach the engine only through the public API (`import ddp_help
 the engine never imports a lesson (tests/test_boundaries.py holds both rules).
 """
 
-from .errors import LaunchError, LaunchRefused, LaunchTimeout, RankDied, RankRaised
+from .errors import (
+    CollectiveMismatch,
+    LaunchError,
+    LaunchRefused,
+    LaunchTimeout,
+    RankDied,
+    RankRaised,
+)
 from .launch import launch
 from .magic import load_ipython_extension
 from .ranks import Ranks, current  # noqa: F401 - for exercises: the pool %%ranks uses
@@ -17,7 +24,7 @@ from .tracebacks import clean_error_text, clean_traceback
 
 # What ddp_helpers re-exports as public API (`current`, the pool the magics use, stays the kit's).
 __all__ = [
-    "LaunchError", "LaunchRefused", "LaunchTimeout", "RankDied", "RankRaised", "Ranks",
-    "clean_error_text", "clean_traceback", "free_port", "launch", "load_ipython_extension",
-    "looks_like_peer_failure",
+    "CollectiveMismatch", "LaunchError", "LaunchRefused", "LaunchTimeout", "RankDied",
+    "RankRaised", "Ranks", "clean_error_text", "clean_traceback", "free_port", "launch",
+    "load_ipython_extension", "looks_like_peer_failure",
 ]

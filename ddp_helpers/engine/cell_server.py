@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..ledger import Ledger
 from ..runtime import BACKEND_VAR, choose_backend, let_gloo_threads_finish, process_group
+from .ledger_feed import feed
 from .protocol import (
     AskWhere,
     Channel,
@@ -110,9 +112,11 @@ def _ready(namespace: dict) -> Ready:
 def run_cell(namespace: dict, cell: RunCell) -> bytes:
     """Run one cell; its reply, encoded: Ok(last value, {name: value}) or Error."""
     filename = f"{_CELL}{cell.number}>"
-    linecache.cache[filename] = (len(cell.code), None, cell.code.splitlines(True), filename)
+    code = "\n" * (cell.first_line - 1) + cell.code  # lines numbered as the editor shows them
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
-        value = _execute(cell.code, filename, namespace)
+        with Ledger(on_call=feed(), tap=True):  # the parent learns each collective entered
+            value = _execute(code, filename, namespace)
         returned = {n: _lookup(namespace, n) for n in cell.returns}
         return _encode_ok(value, returned)
     except BaseException as e:  # noqa: BLE001 - SystemExit too: the rank must stay up

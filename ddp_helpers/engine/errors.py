@@ -36,6 +36,14 @@ class LaunchError(Exception):
         return [f"{type(self).__name__}: {self}"]
 
 
+class CellInterrupted(KeyboardInterrupt):
+    """The stop button (KeyboardInterrupt) during a cell: every rank was stopped. Shown as its
+    one sentence: the kit's frames the interrupt passed through are not the learner's."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
+
+
 class LaunchRefused(LaunchError, ValueError):
     """Bad input found before any process was started."""
 
@@ -132,6 +140,22 @@ class LaunchTimeout(LaunchError, TimeoutError):
                 "or were not asked to run it. A collective completes only when every rank of its "
                 f"group calls it, so this one never would. {consequence}")
         return cls(text, unfinished=waiting, last_lines={})
+
+
+class CollectiveMismatch(LaunchTimeout):
+    """The ranks' collectives do not match (found in their ledgers): names what differs, side
+    by side. A LaunchTimeout, since the ranks would otherwise have waited out the timeout."""
+
+    def __init__(self, message: str, *, finding, unfinished: list[int], **kw):
+        super().__init__(message, unfinished=unfinished, last_lines={}, **kw)
+        self.finding = finding  # mismatch.Finding: kind, the two ranks, their calls
+
+    @classmethod
+    def from_finding(cls, finding, explanation: str, unfinished: list[int],
+                     consequence: str, **kw) -> CollectiveMismatch:
+        """Word a mismatch: the explanation (mismatch.explain) and what was done about it."""
+        return cls(f"{explanation}\n{consequence}" + finished_note(kw.get("finished")),
+                   finding=finding, unfinished=unfinished, **kw)
 
 
 def _stacks_text(stacks: dict[int, str]) -> str:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import time
 
-from .errors import LaunchError, LaunchTimeout, RankDied, RankRaised
+from .errors import CollectiveMismatch, LaunchError, LaunchTimeout, RankDied, RankRaised
+from .mismatch import aborted_note, explain
 from .options import check_launch
 from .protocol import Ok
 from .start import free_port
-from .supervisor import DRAIN_SECONDS, RankSet
-from .watch import Outcome, give_up_once_settled, wait
+from .supervisor import DRAIN_SECONDS, Priority, RankSet
+from .tracebacks import shorten_path
+from .watch import CellWatch, Outcome, give_up_once_settled, wait
 
 
 def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
@@ -52,16 +54,39 @@ def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
     ranks = RankSet(nprocs, start_method)
     try:
         ranks.start(payload, extra_env, port or free_port(), output)
-        outcome = wait(ranks, ranks.all_exited, time.monotonic() + timeout, give_up_once_settled)
+        watch = CellWatch(ranks, list(range(nprocs)))  # for its mismatch rule: the ledgers
+        outcome = wait(ranks, ranks.all_exited, time.monotonic() + timeout, give_up_once_settled,
+                       watch.mismatched)
         stacks = ranks.dump_stacks(_unfinished(ranks)) if outcome is Outcome.TIMEOUT else {}
+        mismatch = _mismatch(ranks, outcome, watch)
     except BaseException:  # KeyboardInterrupt included: stop everything, then re-raise
         ranks.shutdown(drain=0)
         raise
     ranks.shutdown(drain=DRAIN_SECONDS)
-    error = _error(ranks, outcome, stacks)
+    error = mismatch or _error(ranks, outcome, stacks)
     if error is not None:
         raise error
     return _results(ranks)
+
+
+def _mismatch(ranks: RankSet, outcome: Outcome, watch: CellWatch) -> CollectiveMismatch | None:
+    """A stall the ledgers explain, or an abort (and its knock-on errors) they explain."""
+    failure = ranks.failure()
+    if outcome is not Outcome.STALLED and (
+            failure is None or failure.priority < Priority.ABORTED):
+        return None  # a rank's own error or death is the cause, not a mismatch
+    ranks.drain_output()  # the ledger lines still in the pipes
+    finding = watch.mismatch()
+    if finding is None:
+        return None
+    text = explain(finding, ranks.nprocs, _place, time.monotonic(), "returned")
+    return CollectiveMismatch.from_finding(
+        finding, text + aborted_note(ranks.exitcodes), watch.unfinished(),
+        "Every rank was stopped.", results=_results(ranks), finished=ranks.finished())
+
+
+def _place(where: tuple[str, int]) -> str:
+    return f"{shorten_path(where[0])}, line {where[1]}"
 
 
 def _results(ranks: RankSet) -> list:

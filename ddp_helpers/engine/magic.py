@@ -80,8 +80,9 @@ def ranks_line(line: str) -> object:
     return None
 
 
-def ranks_cell(line: str, cell: str, user_ns: dict) -> None:
-    """%%ranks: run the cell on the ranks, show each rank's value, bring --return names back."""
+def ranks_cell(line: str, cell: str, user_ns: dict, label: str | None = None) -> None:
+    """%%ranks: run the cell on the ranks, show each rank's value, bring --return names back.
+    `label` ("In [5]") names the cell in messages; its lines count from the %%ranks line."""
     args = _cell_parser().parse_args(shlex.split(line, comments=True))
     pool = current()
     if pool is None:
@@ -94,7 +95,7 @@ def ranks_cell(line: str, cell: str, user_ns: dict) -> None:
         raise LaunchRefused(f"%%ranks --return {args.returns}: {bad[0]!r} is not a variable "
                             "name; give names separated by commas, e.g. --return loss,grads.")
     replies = pool.run(cell, targets=targets, timeout=args.timeout, output=args.output,
-                       returns=tuple(names))
+                       returns=tuple(names), label=label, first_line=2)
     for rank, reply in zip(check_targets(targets, pool.nprocs), replies):
         if reply.value is not None:
             _show(rank, reply.value)
@@ -141,6 +142,7 @@ def load_ipython_extension(ipython) -> None:
     def ranks(line: str, cell: str | None = None):
         if cell is None:
             return ranks_line(line)
-        return ranks_cell(line, cell, ipython.user_ns)
+        # IPython numbers the cell it runs by execution_count: the "In [5]" the learner sees.
+        return ranks_cell(line, cell, ipython.user_ns, f"In [{ipython.execution_count}]")
 
     ipython.register_magic_function(ranks, magic_kind="line_cell", magic_name="ranks")

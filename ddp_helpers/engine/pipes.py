@@ -3,7 +3,8 @@
 Each rank gets an output pipe for fd 1 and one for fd 2 (so C++ output comes too), a reply
 channel, a faulthandler pipe for its stacks, the lifeline shared by every rank and, for
 persistent ranks, a command channel and a duplex control channel. Replies, commands and control
-questions are protocol messages on Channels; the others carry raw bytes. Ranks started
+questions are protocol messages on Channels; the others carry raw bytes (the ledger pipe: one
+line per collective a rank enters, see ledger_feed.py). Ranks started
 elsewhere (torchrun, Slurm) would bring sockets instead, carrying the same messages.
 """
 
@@ -33,8 +34,9 @@ class RankPipes:
             err_r, err_w = ctx.Pipe(duplex=False)
             res_r, res_w = ctx.Pipe(duplex=False)
             stk_r, stk_w = ctx.Pipe(duplex=False)
+            led_r, led_w = ctx.Pipe(duplex=False)
             self.readers.update({out_r: ("out", rank), err_r: ("err", rank),
-                                 Channel(res_r): ("res", rank)})
+                                 Channel(res_r): ("res", rank), led_r: ("led", rank)})
             self.stacks[rank] = stk_r
             cmd_r = control_child = None
             if persistent:
@@ -42,7 +44,8 @@ class RankPipes:
                 control, control_child = ctx.Pipe(duplex=True)
                 self.commands[rank], self.controls[rank] = Channel(cmd_w), Channel(control)
             self._child.append(dict(out=out_w, err=err_w, result=res_w, lifeline=lifeline_child,
-                                    stacks=stk_w, commands=cmd_r, control=control_child))
+                                    stacks=stk_w, commands=cmd_r, control=control_child,
+                                    ledger=led_w))
 
     def specs(self, **common) -> list[RankSpec]:
         """Each rank's spec: its own pipe ends plus `common` (payload, env, sys_path, ...)."""

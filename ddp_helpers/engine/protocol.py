@@ -24,11 +24,13 @@ from typing import Any, Protocol
 
 @dataclass(frozen=True)
 class RunCell:
-    """Run `code` as cell `number`; reply with its last value and the variables in `returns`."""
+    """Run `code` as cell `number`; reply with its last value and the variables in `returns`.
+    `first_line` is the number its first line gets in tracebacks and the ledger."""
 
     number: int
     code: str
     returns: tuple[str, ...] = ()
+    first_line: int = 1
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,12 @@ class RankSpec:
     stacks: Any = None  # write end: faulthandler dumps every thread's stack here on SIGUSR1
     commands: Any = None  # persistent ranks only: read end of the parent's commands
     control: Any = None  # persistent ranks only: duplex, answered by a thread ("where are you?")
+    ledger: Any = None  # write end: one line per collective entered (ledger_feed.Feed)
 
     def child_ends(self) -> list:
         """The connections the rank uses (the parent closes its copies once the rank has them)."""
         return [c for c in (self.out, self.err, self.result, self.lifeline, self.stacks,
-                            self.commands, self.control) if c is not None]
+                            self.commands, self.control, self.ledger) if c is not None]
 
 
 _current: RankSpec | None = None
@@ -81,13 +82,25 @@ def rank_entry(rank: int, specs: list[RankSpec]) -> None:
     replies = Channel(spec.result)
     try:
         fn, args = pickle.loads(spec.payload)
-        reply = encode(Ok(to_cpu(fn(rank, *args))))  # a value that cannot be pickled raises here
+        reply = encode(Ok(to_cpu(_run(spec, fn, rank, args))))  # unpicklable values raise here
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         flush()
         replies.send(Error.from_exception(e))
         raise  # torch's _wrap records it too and exits with status 1
     flush()
     replies.send_encoded(reply)
+
+
+def _run(spec: RankSpec, fn, rank: int, args: tuple):
+    """fn(rank, *args), under a tapped Ledger that feeds the parent each collective entered
+    (persistent ranks run cells under their own, one per cell)."""
+    if spec.commands is not None or spec.ledger is None:
+        return fn(rank, *args)
+    from ..ledger import Ledger  # imported here: the start server preloads this module
+    from .ledger_feed import feed
+
+    with Ledger(on_call=feed(), tap=True):
+        return fn(rank, *args)
 
 
 def _reread_torch_env() -> None:

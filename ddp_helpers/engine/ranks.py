@@ -20,11 +20,21 @@ from typing import Any, NamedTuple
 
 from .cell_server import serve
 from .census import pid_alive
-from .errors import LaunchError, LaunchRefused, LaunchTimeout, RankDied, RankRaised
+from .errors import (
+    CellInterrupted,
+    CollectiveMismatch,
+    LaunchError,
+    LaunchRefused,
+    LaunchTimeout,
+    RankDied,
+    RankRaised,
+)
+from .mismatch import aborted_note, explain
 from .options import check_cell, check_pool, check_push
 from .protocol import Push, Ready, RunCell, Where
 from .start import free_port
-from .supervisor import Failure, RankSet
+from .supervisor import Failure, Priority, RankSet
+from .tracebacks import shorten_path
 from .watch import STALL_SECONDS, CellWatch, Outcome, give_up_once_settled, wait
 
 _current: Ranks | None = None  # the pool `%%ranks` cells and dh.check(...) use
@@ -121,12 +131,15 @@ class Ranks:
     # -- running code ---------------------------------------------------------------------------
 
     def run(self, code: str, targets: list[int] | None = None, timeout: float | None = None,
-            output: str | None = None, *, returns: tuple[str, ...] | None = None) -> list:
+            output: str | None = None, *, returns: tuple[str, ...] | None = None,
+            label: str | None = None, first_line: int = 1) -> list:
         """Run `code` on every rank (or on `targets`) at once; return each rank's value of its
         last expression (None where there is none), in rank order, tensors on the CPU.
 
         With `returns=("x",)` (any tuple, even empty) each rank's entry is a CellResult
         (last value, {"x": x}) instead: the variables come back in the same round trip.
+        `label` names the cell in messages (the magic gives "In [5]"); `first_line` is the
+        number of the code's first line (2 below a `%%ranks` line, as the editor counts).
 
         Raises:
             RankRaised: a rank raised. If every other rank finished the cell, every rank keeps
@@ -139,8 +152,9 @@ class Ranks:
         targets = check_cell(code, targets, timeout, output, self.nprocs)
         self._ensure_running()
         self.cells_run += 1
-        replies = self._request(RunCell(self.cells_run, code, tuple(returns or ())), targets,
-                                timeout, output)
+        self._label = label
+        replies = self._request(RunCell(self.cells_run, code, tuple(returns or ()), first_line),
+                                targets, timeout, output)
         if returns is None:
             return [reply.value for reply in replies]
         return [CellResult(reply.value, reply.returned) for reply in replies]
@@ -185,7 +199,10 @@ class Ranks:
                 outcome = wait(ranks, watch.done, deadline, give_up_once_settled)
             else:
                 outcome = wait(ranks, watch.done, deadline, watch.give_up, watch.stalled)
-        except BaseException:  # KeyboardInterrupt: the stop button in Jupyter
+        except KeyboardInterrupt:  # the stop button in Jupyter: one sentence, no kit frames
+            text = self._drop("the cell was interrupted", watch.where_all(), polite=False)
+            raise CellInterrupted(f"ddp_helpers: {text}") from None
+        except BaseException:
             self._drop("the cell was interrupted", watch.where_all(), interrupted=True)
             raise
         ranks.drain_output()
@@ -203,6 +220,9 @@ class Ranks:
             return RankRaised.from_error(
                 failure.rank, self.nprocs, failure.error,
                 consequence="The other ranks finished the cell; every rank keeps its state.")
+        mismatch = self._mismatch(outcome, failure, watch)
+        if mismatch is not None:
+            return mismatch
         where = watch.where_all()
         last = {r: ranks.relay.last_line(r) for r in range(self.nprocs)}
         consequence = self._drop(_reason(outcome, failure), where)
@@ -220,10 +240,32 @@ class Ranks:
         return RankDied.from_exit(failure.rank, self.nprocs, failure.exitcode,
                                   last.get(failure.rank, ""), consequence=consequence)
 
+    def _mismatch(self, outcome: Outcome, failure: Failure | None, watch: CellWatch
+                  ) -> CollectiveMismatch | None:
+        """A stall, or an abort and its knock-on errors, that the ledgers explain."""
+        if outcome is not Outcome.STALLED and (
+                failure is None or failure.priority < Priority.ABORTED):
+            return None  # a rank's own error or death is the cause, not a mismatch
+        self._set.drain_output()  # the ledger lines still in the pipes
+        finding = watch.mismatch()
+        if finding is None:
+            return None
+        text = explain(finding, self.nprocs, self._place, time.monotonic())
+        text += aborted_note(self._set.exitcodes)
+        consequence = self._drop("the collectives did not match", {}, polite=False)
+        return CollectiveMismatch.from_finding(finding, text, watch.unfinished(), consequence)
+
+    def _place(self, where: tuple[str, int]) -> str:
+        """A call's place as the learner sees it: "In [5], line 4"."""
+        path, line = where
+        if path.startswith("<cell "):
+            return f"{getattr(self, '_label', None) or 'this cell'}, line {line}"
+        return f"{shorten_path(path)}, line {line}"
+
     def _drop(self, reason: str, where: dict[int, Where | None], *,
-              interrupted: bool = False) -> str:
+              interrupted: bool = False, polite: bool = True) -> str:
         """Stop every rank after a failure; return the sentence that says so."""
-        self._shutdown()
+        self._shutdown(polite=polite)
         self._stopped_because = reason
         text = (f"Every rank was stopped ({reason}){_where_text(where)}. Their variables are "
                 "gone; the next cell starts a fresh group.")
@@ -231,10 +273,10 @@ class Ranks:
             print(f"ddp_helpers: {text}", flush=True)
         return text
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, *, polite: bool = True) -> None:
         if self._set is not None:
             self._finalizer.detach()
-            self._set.shutdown()
+            self._set.shutdown(polite=polite)
         self._set = None
 
     def _ensure_running(self) -> None:

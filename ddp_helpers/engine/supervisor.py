@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.multiprocessing as tmp
 
 from . import main_guard
+from .ledger_feed import LedgerReader
 from .pipes import RankPipes, read_chunk, read_stack_dumps
 from .protocol import AskWhere, Channel, Command, Error, Ok, Ready, Reply, Stop, Unreadable, Where
 from .rank_entry import rank_entry
@@ -87,7 +88,9 @@ class RankSet:
         self.context = None
         self.stopped = False
         self.pipes = RankPipes(self.ctx, nprocs, persistent)
+        self.ledger = LedgerReader()  # each rank's collectives in this request, as they enter
         self._replies: dict[int, Reply] = {}
+        self.replied_at: dict[int, float] = {}  # rank -> monotonic time its reply arrived
         self._waiting: dict = {}  # process sentinel -> rank, for ranks not yet exited
         self._closed: set[int] = set()  # ranks whose Process object was closed after reaping
 
@@ -151,11 +154,15 @@ class RankSet:
         except Unreadable as e:  # e.g. an object of a class defined in a %%ranks cell
             reply = Error.unreadable_result(e.cause)
         if not isinstance(reply, Error) or rank not in self._replies:
-            self._replies[rank] = reply  # a late Error never hides the reply that came first
+            # a late Error never hides the reply that came first
+            self._replies[rank] = reply
+            self.replied_at[rank] = time.monotonic()
 
     def _read_output(self, conn, rank: int, kind: str) -> None:
         data = read_chunk(conn)
-        if data:
+        if data and kind == "led":
+            self.ledger.feed(rank, data)
+        elif data:
             self.relay.feed(rank, kind, data)
         else:
             self.pipes.forget(conn)
@@ -225,6 +232,8 @@ class RankSet:
         """Begin a request: forget the last one's replies, relay output as `output` says, and
         send `command` to each of `ranks` (None: wait for the ranks' Ready after start)."""
         self._replies.clear()
+        self.replied_at.clear()
+        self.ledger.reset()
         self.relay_to(output)
         if command is not None:
             for r in ranks:
@@ -265,11 +274,12 @@ class RankSet:
 
     # -- stopping -------------------------------------------------------------------------------
 
-    def shutdown(self, drain: float = 0.0) -> None:
+    def shutdown(self, drain: float = 0.0, *, polite: bool = True) -> None:
         """End the run and free everything: persistent ranks are first told to Stop (so they
-        destroy their groups) and given a moment; then the lifeline closes, whatever is left is
+        destroy their groups) and given a moment, unless `polite` is False (ranks stuck in a
+        collective could not read it); then the lifeline closes, whatever is left is
         killed, `drain` seconds of late output are relayed, and every channel is closed."""
-        if self.persistent and not self.stopped:
+        if self.persistent and polite and not self.stopped:
             for r in range(self.nprocs):
                 if self.alive(r):
                     self.send(r, Stop())

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import psutil
 
+from .mismatch import Finding, find
 from .protocol import Where
 from .supervisor import Failure, Priority, RankSet
 
@@ -84,9 +85,29 @@ class CellWatch:
             return True
         return settled and all(self.blocked(r) for r in self.unfinished())
 
+    def mismatch(self) -> Finding | None:
+        """A definite mismatch in the ranks' ledgers (mismatch.find), or None; free to ask,
+        since the parent holds the ledgers."""
+        done = {r: self.ranks.replied_at.get(r, self.started) for r in self.ranks.finished()}
+        return find(self.ranks.ledger.calls, done, self.ranks.nprocs, self.ranks.ledger.gaps)
+
+    def mismatched(self) -> bool:
+        """A definite mismatch, and the ranks it involves have stopped moving (blocked, not
+        computing): asked only once the ledgers show one, so a sound cell costs no question."""
+        f = self.mismatch()
+        if f is None or f.call.group != "world":
+            # Only the default group's timeout is the kit's (the pool's); a group the learner
+            # made with its own timeout= ends by itself, and a lesson may show just that.
+            return False
+        finished = self.ranks.finished()
+        return self.blocked(f.rank) and (f.other in finished or self.blocked(f.other))
+
     def stalled(self) -> bool:
-        """Some rank finished (or was not asked) while the others have waited STALL_SECONDS in
-        communication: a collective needs every rank of its group, so it cannot complete."""
+        """A definite mismatch (mismatched), or: some rank finished (or was not asked) while
+        the others have waited STALL_SECONDS in communication: a collective needs every rank of
+        its group, so it cannot complete."""
+        if self.mismatched():
+            return True
         if time.monotonic() - self.started < STALL_SECONDS:
             return False
         left = self.unfinished()

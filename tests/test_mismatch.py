@@ -1,0 +1,90 @@
+"""Mismatched collectives named from the ranks' ledgers, through `dh.Ranks` (a `%%ranks`
+cell) and through `dh.launch`: each kind of mismatch ends in a CollectiveMismatch that names
+what differs, side by side, and the next cell (or launch) works. Real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+import ddp_helpers as dh
+from tests import mismatch_fns
+
+# kind -> (a cell a learner would type, what the message must say)
+CELLS = {
+    "ops": ("t = torch.ones(4)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n"
+            "    dist.broadcast(t, src=0)",
+            ["rank 0 is in all_reduce #1 float32[4] (In [5], line 4)",
+             "rank 1 is in broadcast #1 float32[4] (In [5], line 6)", "same order"]),
+    "order": ("a, b = torch.ones(4), torch.ones(2)\nif rank == 0:\n    dist.all_reduce(a)\n"
+              "    dist.broadcast(b, src=0)\nelse:\n    dist.broadcast(b, src=0)\n"
+              "    dist.all_reduce(a)",
+              ["rank 0 is in all_reduce #1 float32[4] (In [5], line 4)",
+               "rank 1 is in broadcast #1 float32[2] (In [5], line 7)", "another order"]),
+    "shapes": ("t = torch.ones(4 + rank)\ndist.all_reduce(t)",
+               ["rank 0 is in all_reduce #1 float32[4] (In [5], line 3)",
+                "rank 1 is in all_reduce #1 float32[5] (In [5], line 3)",
+                "float32[4] on rank 0, float32[5] on rank 1"]),
+    "dtypes": ("t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)\n"
+               "dist.all_reduce(t)",
+               ["float32[4] on rank 0, float64[4] on rank 1"]),
+    "fewer": ("t = torch.ones(4)\nfor step in range(4 - rank):\n    dist.all_reduce(t)",
+              ["rank 0 is in all_reduce #4 float32[4] (In [5], line 4)",
+               "rank 1 finished the cell after 3 collectives (3 against 4)"]),
+    "never": ("if rank == 0:\n    dist.barrier()",
+              ["rank 0 is in barrier #1 (In [5], line 3)",
+               "rank 1 finished the cell without calling it", "never reached the barrier"]),
+    "group": ("g = dist.new_group([0, 1])\nt = torch.ones(4)\n"
+              "dist.all_reduce(t, group=g if rank == 1 else None)",
+              ["rank 0 is in all_reduce #1 float32[4] in the world group (In [5], line 4)",
+               "rank 1 is in all_reduce #1 float32[4] in ranks [0, 1] (In [5], line 4)",
+               "different groups"]),
+}
+
+
+@pytest.fixture
+def pool():
+    # One pool per test: a mismatch stops the ranks, and the fresh ones the next cell starts
+    # must be gone when the test ends.
+    with dh.Ranks(2, timeout=60, output="none") as p:
+        yield p
+
+
+@pytest.mark.parametrize("kind", list(CELLS))
+def test_a_mismatch_in_a_cell_is_named_and_the_next_cell_works(pool, kind):
+    code, expected = CELLS[kind]
+    with pytest.raises(dh.CollectiveMismatch, match=r"^Collectives do not match \(seen after "
+                       ) as e:
+        pool.run(code, label="In [5]", first_line=2)
+    text = str(e.value)
+    for part in expected:
+        assert part in text
+    assert "enforce fail" not in text and "pair.cc" not in text  # gloo's C++ line is not quoted
+    assert e.value.finding.kind == {"order": "ops", "dtypes": "shapes"}.get(kind, kind)
+    assert "Every rank was stopped (the collectives did not match)" in text
+    assert pool.run("t = torch.ones(2)\ndist.all_reduce(t)\nt.tolist()") == [[2.0, 2.0]] * 2
+
+
+def test_a_sound_cell_with_many_collectives_is_not_called_a_mismatch(pool):
+    code = ("g = dist.new_group([0, 1])\nt = torch.ones(3)\nfor i in range(50):\n"
+            "    dist.all_reduce(t, group=g if i % 2 else None)\n"
+            "    if rank == 0:\n        dist.send(t, 1)\n    else:\n        dist.recv(t, 0)\n"
+            "dist.barrier()\nint(t[0])")
+    assert pool.run(code) == [pool.run(code)[0]] * 2
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("ops", ["rank 0 is in all_reduce #1 float32[4] (tests/mismatch_fns.py, line 16)",
+             "rank 1 is in broadcast #1 float32[4] (tests/mismatch_fns.py, line 18)"]),
+    ("shapes", ["float32[4] on rank 0, float32[5] on rank 1"]),
+    ("fewer", ["rank 0 is in all_reduce #4 float32[4]", "rank 1 returned after 3 collectives "
+               "(3 against 4)"]),
+    ("never", ["rank 0 is in barrier #1", "rank 1 returned without calling it"]),
+    ("group", ["in the world group", "in ranks [0, 1]"]),
+])
+def test_a_mismatch_in_a_launched_function_is_named(no_leftovers, kind, expected):
+    with pytest.raises(dh.CollectiveMismatch, match=r"^Collectives do not match") as e:
+        dh.launch(mismatch_fns.mismatched, args=(2, kind), nprocs=2, timeout=60,
+                  output="none")
+    for part in expected:
+        assert part in str(e.value)
+    assert "Every rank was stopped." in str(e.value)
