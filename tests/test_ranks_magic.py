@@ -124,3 +124,27 @@ def test_a_ranks_cell_before_start_says_how_to_start(shell):
     ranks_module._current = None
     err = run(shell, "%%ranks\n1")
     assert isinstance(err, dh.LaunchRefused) and "%ranks start 2" in str(err)
+
+
+def test_help_lists_every_subcommand_and_option(shell, capsys):
+    from ddp_helpers.engine.magic import HELP
+
+    for line in ("%ranks --help", "%ranks help", "%%ranks --help\nprint('not run')"):
+        assert run(shell, line) is None
+        assert capsys.readouterr().out.strip() == HELP.strip()
+    for word in ("start", "status", "restart", "stop", "listen", "--backend", "--timeout",
+                 "--no-group", "--output", "--env", "--targets", "--return", "Example"):
+        assert word in HELP, word
+    assert ranks_module.current() is None  # help starts nothing
+
+
+def test_ranks_question_mark_shows_the_usage(shell):
+    info = shell.object_inspect("%ranks")
+    assert "%ranks start N" in (info.get("docstring") or "")
+
+
+def test_a_wrong_cell_option_names_the_cell_magics_options(shell):
+    run(shell, "%ranks start 2 --output none")
+    error = run(shell, "%%ranks --backend gloo\n1")
+    assert isinstance(error, dh.LaunchRefused)
+    assert "%%ranks takes --targets" in str(error) and "--no-group" not in str(error)

@@ -127,7 +127,8 @@ class LaunchTimeout(LaunchError, TimeoutError):
                 f"finished. {consequence} Last line each printed:\n{lines}\n"
                 + _stacks_text(short) +
                 "A rank waiting forever is usually in a collective or barrier another rank never "
-                "reached. Raise timeout= if the work is just slow." + finished_note(finished))
+                "reached. If the work is just slow, give it longer: --timeout S on the %%ranks or "
+                "%ranks start line, timeout= in Python." + finished_note(finished))
         return cls(text, unfinished=unfinished, last_lines=last_lines, stacks=short,
                    results=results, finished=finished)
 

@@ -1,4 +1,5 @@
-"""The `%ranks` and `%%ranks` IPython magics: a thin layer on `Ranks` for notebooks.
+"""The `%ranks` and `%%ranks` IPython magics: a thin layer on `Ranks` for notebooks
+(`HELP` below is what `%ranks?` and `%ranks --help` show).
 
     %load_ext ddp_helpers
     %ranks start 2 [--backend gloo] [--timeout 60] [--no-group] [--output by_rank]
@@ -22,13 +23,53 @@ from .ranks import Ranks, current
 
 _USAGE = ("Use `%ranks start 2` (options --backend, --timeout, --no-group, --output, --env), then "
           "`%%ranks` cells; `%ranks status`, `%ranks restart`, `%ranks stop`.")
+_CELL_USAGE = ("%%ranks takes --targets 0,1, --timeout S, --output live|by_rank|none and "
+               "--return NAME[,NAME], e.g. `%%ranks --targets 0 --timeout 30`.")
+
+HELP = """Persistent ranks in a notebook: start them once, then run cells on every rank.
+
+%ranks start N [options]     start N ranks (each with a process group), e.g. %ranks start 2
+    --backend auto|gloo|nccl   the process group's backend (auto: NCCL when every rank has a GPU)
+    --timeout S                seconds one cell may take, and the group's collective timeout (60)
+    --no-group                 start the ranks without a process group
+    --output live|by_rank|none how the ranks' prints are shown (live: as they come)
+    --env NAME=VALUE           an environment variable for the ranks (repeatable)
+%ranks status                what each rank is doing (pid, device, state)
+%ranks restart               fresh ranks, same options (after a failure, or to start over)
+%ranks stop                  stop every rank
+%ranks listen N [options]    wait for N ranks that torchrun/srun starts elsewhere; prints the
+                             command line to paste (options --host, --port, --nodes, --timeout,
+                             --backend, --token-file)
+%ranks --help                this text (also %ranks? and %%ranks?)
+
+%%ranks [options]            run the cell on the ranks; `rank`, `world_size`, `device`, `torch`
+    --targets 0,1              only these ranks (a collective then needs all of its group)
+    --timeout S                seconds this cell may take (default: the pool's)
+    --output live|by_rank|none this cell's output mode
+    --return NAME[,NAME]       bring these variables back, as a list per name (rank order)
+
+Example:
+    %load_ext ddp_helpers
+    %ranks start 2
+    %%ranks
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    t                          # shown per rank, as "[rank r] Out: ..."
+"""
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that raises LaunchRefused (a clear message, nothing run) instead of exiting."""
+    """argparse that raises LaunchRefused (a clear message, nothing run) instead of exiting;
+    the message lists the options of the magic that was used."""
 
     def error(self, message: str):
-        raise LaunchRefused(f"{self.prog}: {message}. {_USAGE} Nothing was run.")
+        usage = _CELL_USAGE if self.prog == "%%ranks" else _USAGE
+        raise LaunchRefused(f"{self.prog}: {message}. {usage} `%ranks --help` shows every "
+                            "option. Nothing was run.")
+
+
+def _wants_help(line: str) -> bool:
+    return bool(set(shlex.split(line, comments=True)) & {"--help", "-h", "help"})
 
 
 def _start_parser() -> _Parser:
@@ -53,7 +94,10 @@ def _cell_parser() -> _Parser:
 
 
 def ranks_line(line: str) -> object:
-    """%ranks start N | stop | restart | status."""
+    """%ranks start N | stop | restart | status | listen N | --help."""
+    if _wants_help(line):
+        print(HELP)
+        return None
     if line.split()[:1] == ["listen"]:  # ranks that torchrun starts: listen_magic.py
         from .listen_magic import listen_line
 
@@ -83,6 +127,9 @@ def ranks_line(line: str) -> object:
 def ranks_cell(line: str, cell: str, user_ns: dict, label: str | None = None) -> None:
     """%%ranks: run the cell on the ranks, show each rank's value, bring --return names back.
     `label` ("In [5]") names the cell in messages; its lines count from the %%ranks line."""
+    if _wants_help(line):
+        print(HELP)
+        return None
     args = _cell_parser().parse_args(shlex.split(line, comments=True))
     pool = current()
     if pool is None:
@@ -145,4 +192,5 @@ def load_ipython_extension(ipython) -> None:
         # IPython numbers the cell it runs by execution_count: the "In [5]" the learner sees.
         return ranks_cell(line, cell, ipython.user_ns, f"In [{ipython.execution_count}]")
 
+    ranks.__doc__ = HELP  # what `%ranks?` and `%%ranks?` show
     ipython.register_magic_function(ranks, magic_kind="line_cell", magic_name="ranks")
