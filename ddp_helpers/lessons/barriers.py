@@ -16,7 +16,6 @@ import shutil
 import tempfile
 import time
 
-import torch
 import torch.distributed as dist
 
 from .. import clean_error_text
