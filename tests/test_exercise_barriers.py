@@ -27,11 +27,11 @@ PREPARE_WRONG = {  # label: (answer, text its FAIL must name)
     "a sleep instead of the barrier": (
         body("    import time\n    if rank == 0:\n        write(path)\n    else:\n"
              "        time.sleep(3)"),
-        "a slow writer: rank 0 reaches a collective after write returned: rank 0 called no "
+        "rank 1: a slow writer: rank 1 waits for rank 0 in a collective: rank 1 called no "
         "collective"),
-    "the barrier before write": (
+    "the barrier before write": (  # the file half-written, else rank 0's barrier named
         body("    dist.barrier()\n    if rank == 0:\n        write(path)"),
-        "rank 0 called barrier, none after write returned"),
+        "rank 1: a slow writer: "),
     "every rank writes": (
         body("    write(path)\n    dist.barrier()"),
         "a slow writer: calls of write on all ranks together: at index (): got 3, expected 1"),
@@ -41,12 +41,11 @@ PREPARE_WRONG = {  # label: (answer, text its FAIL must name)
         "a slow writer: write runs on rank 0: write ran [0, 0, 1] times"),
     "an async barrier never waited": (
         body("    if rank == 0:\n        write(path)\n    dist.barrier(async_op=True)"),
-        "the file when prepare_once returned on rank 1"),
+        "a slow writer: the file when prepare_once returned on rank 1: got 'missing'"),
     "the others wait only until the file exists": (
         body("    import os, time\n    if rank == 0:\n        write(path)\n    else:\n"
              "        while not os.path.exists(path):\n            time.sleep(0.01)"),
-        "a slow writer: rank 0 reaches a collective after write returned: rank 0 called no "
-        "collective"),
+        "a slow writer: the file when prepare_once returned on rank 1: got 'half-written"),
 }
 
 PREPARE_RIGHT = {

@@ -6,7 +6,6 @@ communication hook), the single-process reference the parent computes, and the e
 Models and data are tiny and seeded, so every number the notebook compares is reproducible.
 """
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -161,23 +160,6 @@ def average_gradients_by_hand(model: nn.Module, world_size: int) -> None:
 # ---------------------------------------------------------------- exercises
 
 
-@contextlib.contextmanager
-def _counting(module, name: str):
-    """Count calls of module.<name> for the block (the learner's code looks it up by name)."""
-    original = getattr(module, name)
-    calls = [0]
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    setattr(module, name, counted)
-    try:
-        yield calls
-    finally:
-        setattr(module, name, original)
-
-
 def _local_gradients(build: Callable[[], nn.Module], rank: int, device) -> nn.Module:
     """A freshly built model whose .grad holds this rank's own gradient of a seeded batch."""
     model = build().to(device)
@@ -191,6 +173,8 @@ def _local_gradients(build: Callable[[], nn.Module], rank: int, device) -> nn.Mo
 def check_bucketed_average_gradients(namespace: dict) -> list[Case]:
     """Two models: after the learner's function every gradient is the mean over the ranks,
     and all of them travelled in one all_reduce."""
+    from ..ledger import Ledger
+
     average = require(namespace, "bucketed_average_gradients")
     rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
     cases = []
@@ -200,15 +184,21 @@ def check_bucketed_average_gradients(namespace: dict) -> list[Case]:
         expected = flat_grads(model).to(device)
         dist.all_reduce(expected)  # the reference: a sum over the ranks, then the mean
         expected /= world_size
-        with _counting(dist, "all_reduce") as calls:
+        with Ledger() as ledger:  # sees the call whatever name it was imported under
             average(model, world_size)
         cases.append(case(f"{label}: gradients", flat_grads(model), expected.cpu()))
-        cases.append(Case(f"{label}: all_reduce calls", calls[0] <= 1,
-                          f"{calls[0]} calls, expected 1: one bucket for every gradient"))
+        calls = ledger.calls
+        one = [c.op for c in calls] == ["all_reduce"] and calls[0].nbytes == \
+            expected.numel() * expected.element_size()
+        cases.append(Case(f"{label}: collectives", one,
+                          f"called {', '.join(c.text() for c in calls) or 'no collective'}; "
+                          f"expected one all_reduce of {str(expected.dtype)[6:]}"
+                          f"[{expected.numel()}]: one bucket for every gradient"))
     return cases
 
 
-SHARD_CASES = ((10, 2), (11, 2), (11, 3), (5, 4))  # (dataset size, world size)
+# (dataset size, world size): even, uneven, 3 ranks, padding larger than the data, one sample.
+SHARD_CASES = ((10, 2), (11, 2), (11, 3), (5, 4), (2, 5), (1, 3), (7, 3))
 
 
 @exercise_check("shard_indices", "ranks")

@@ -304,18 +304,27 @@ def torchrun_report() -> str | None:
 # ---------------------------------------------------------------- exercises
 
 
+def _env_report_decoyed(rank: int, fn, world_size: int) -> dict:
+    """On a rank: the learner's env_report called with rank and world_size both -1, so that
+    only os.environ can give the right values."""
+    return fn(-1, -1)
+
+
 @exercise_check("env_report", "file")
 def check_env_report(module) -> list[Case]:
-    """Launch the learner's env_report on 2 and then 3 ranks, each with a known MASTER_PORT."""
+    """Launch the learner's env_report on 2 and then 3 ranks, each with a known MASTER_PORT; on
+    3 ranks its arguments are -1, as the values must come from os.environ."""
     env_report = require(module, "env_report")
     cases = []
-    for nprocs in (2, 3):
+    for nprocs, fn, args, how in ((2, env_report, (2,), ""),
+                                  (3, _env_report_decoyed, (env_report, 3),
+                                   " (called with rank=-1, world_size=-1)")):
         port = free_port()
-        reports = launch(env_report, args=(nprocs,), nprocs=nprocs, timeout=60, output="none",
+        reports = launch(fn, args=args, nprocs=nprocs, timeout=60, output="none",
                          master_port=port)
         for rank, got in enumerate(reports):
             expected = {"RANK": rank, "WORLD_SIZE": nprocs, "MASTER_PORT": port}
-            cases.append(case(f"{nprocs} ranks, rank {rank}", got, expected))
+            cases.append(case(f"{nprocs} ranks, rank {rank}{how}", got, expected))
     return cases
 
 
@@ -326,6 +335,11 @@ ROOT_CAUSE_CASES = [
       1: "RuntimeError: Connection reset by peer", 2: "KeyError: 'lr'"}, 2),
     ({1: "RuntimeError: Connection closed by peer", 0: "RuntimeError: Connection reset by peer"},
      None),
+    # Unsorted keys with two causes (the lowest, not the first listed); knock-ons in other
+    # letter cases; a rank that did not fail is absent.
+    ({3: "KeyError: 'lr'", 1: "ValueError: corrupt batch", 0: "Connection Reset by peer"}, 1),
+    ({0: "DistBackendError: Timed Out waiting 30000ms", 2: "RuntimeError: CONNECTION CLOSED",
+      3: "AssertionError"}, 3),
 ]
 
 
