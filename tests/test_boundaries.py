@@ -15,7 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "ddp_helpers"
 ENGINE = "ddp_helpers.engine"
 # What the engine may import from the rest of the kit: the rank side sets up the process group.
-ENGINE_MAY_USE = {"ddp_helpers.runtime", "ddp_helpers.compat"}
+# The rank side of the library: the process group, version probes, and the ledger of collectives
+# (every rank records its calls there, so that the engine can name a mismatch).
+ENGINE_MAY_USE = {"ddp_helpers.runtime", "ddp_helpers.compat", "ddp_helpers.ledger"}
 
 
 def module_name(path: Path) -> str:
