@@ -437,7 +437,9 @@ def predicted_seconds(compute_s: float, alpha: float, bandwidth: float,
 
 def best_bucket_bytes(alpha: float, bandwidth: float, total_bytes: float) -> float:
     """The bucket size b that minimises alpha * S/b + b/B (S/b buckets, the last b exposed):
-    b* = sqrt(alpha * B * S)."""
+    b* = sqrt(alpha * B * S). That model holds when backward makes gradients at about the link's
+    rate R ~ B, so read it as sqrt(alpha * R * S) (the link-bound optimum at its edge), not as a
+    bucket that grows with B."""
     return (alpha * bandwidth * total_bytes) ** 0.5
 
 
@@ -470,7 +472,8 @@ def compare_with_model(sweeps: list[list[dict]], compute_s: float, alpha: float,
     above = sum(min(s[i]["seconds"] for s in sweeps) > predicted_seconds(
         compute_s, alpha, bandwidth, row["bucket_bytes"], False) for i, row in enumerate(sweeps[0]))
     lines.append(f"measured minimum (mean of the ranks): cap {fastest:g} MiB; overlap model: "
-                 f"b* = sqrt(alpha B S) = {best:.2g} MiB (if backward makes gradients at B); "
+                 f"b* = sqrt(alpha R S), R ~ B = {best:.2g} MiB (backward's gradient rate R "
+                 f"taken as this run's B); "
                  f"no-overlap model: one bucket")
     lines.append(f"measured above the no-overlap model at {above} of {len(sweeps[0])} caps")
     return "\n".join(lines)
