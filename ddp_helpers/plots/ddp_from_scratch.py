@@ -62,7 +62,7 @@ def bucket_curve(sweeps: list[list[dict]], compute_s: float, alpha: float, bandw
                                           f"compute + alpha x buckets + {shown}")
     total = sum(sweeps[0][0]["bucket_bytes"])
     best = lesson.best_bucket_bytes(alpha, bandwidth, total) / 2**20
-    ax.axvline(best, color="gray", ls="-.", label=f"b* = sqrt(alpha B S) = {best:.2g} MiB")
+    ax.axvline(best, color="gray", ls="-.", label=f"b* = sqrt(alpha R S), R ~ B = {best:.2g} MiB")
     for cap, row in zip(caps, sweeps[0]):
         ax.annotate(f"{len(row['bucket_bytes'])}", (cap, 1), xycoords=("data", "axes fraction"),
                     textcoords="offset points", xytext=(0, -12), ha="center", fontsize=8)
