@@ -578,7 +578,8 @@ def check_sharded_loader(module) -> list:
 
 @exercise_check("strip_ddp_prefix", "file")
 def check_strip_ddp_prefix(module) -> list:
-    """Keys from ddp.state_dict() lose their leading "module." only; tensors stay the same."""
+    """Keys from ddp.state_dict() lose their leading "module." only; tensors stay the same.
+    Cases 3-5 keep a "module." that is not leading and a key that starts "modules."."""
     strip = require(module, "strip_ddp_prefix")
     w, b = torch.ones(10, 784), torch.zeros(10)
     inner = torch.ones(3)
@@ -586,6 +587,12 @@ def check_strip_ddp_prefix(module) -> list:
         ({"module.1.weight": w, "module.1.bias": b}, {"1.weight": w, "1.bias": b}),
         ({"1.weight": w}, {"1.weight": w}),  # saved from model.module: nothing to strip
         ({"module.encoder.module.scale": inner}, {"encoder.module.scale": inner}),
+        # No DDP, a submodule named "module": a "module." that is not leading stays.
+        ({"encoder.module.scale": inner, "1.bias": b},
+         {"encoder.module.scale": inner, "1.bias": b}),
+        # A ModuleList named "modules": starts with "module" but not with "module.".
+        ({"modules.0.weight": w, "modules.0.bias": b},
+         {"modules.0.weight": w, "modules.0.bias": b}),
     ]
     cases = []
     for i, (state, expected) in enumerate(given):

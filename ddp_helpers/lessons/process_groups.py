@@ -8,9 +8,6 @@ checks of the two exercises, which run on the persistent ranks (kind "ranks").
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 
@@ -97,41 +94,28 @@ def traffic_check(sent: list[int], numel: int) -> bool:
 
 # ---------------------------------------------------------------- exercises (run on the ranks)
 
-_COLLECTIVE_CALLS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
-                     "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
-                     "all_to_all", "all_to_all_single", "all_gather_object",
-                     "broadcast_object_list")
-
-
-@contextmanager
-def point_to_point_only(exercise: str) -> Iterator[None]:
-    """While the learner's function runs, the collectives of torch.distributed raise: the
-    exercise is to build one from send/recv. Every rank runs the same code, so every rank
-    raises at the same call and none is left waiting."""
-
-    def refuse(name: str):
-        def refused(*args, **kwargs):
-            raise RuntimeError(f"{exercise} must move data with dist.send/recv or "
-                               f"dist.isend/irecv only; it called dist.{name}")
-        return refused
-
-    saved = {name: getattr(dist, name) for name in _COLLECTIVE_CALLS if hasattr(dist, name)}
-    try:
-        for name in saved:
-            setattr(dist, name, refuse(name))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+class _Refused(RuntimeError):
+    """A collective called where the exercise allows send/recv only."""
 
 
 def _call(exercise: str, fn, *args):
-    """Run the learner's function with collectives refused; (result, error text or None)."""
-    try:
-        with point_to_point_only(exercise):
-            return fn(*args), None
-    except Exception as e:  # noqa: BLE001 - the same error on every rank: report, go on
-        return None, f"raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    """Run the learner's function under a Ledger that refuses any collective before it runs
+    (seen at torch's dispatch level, so `from torch.distributed import all_reduce as add`
+    cannot bypass it; every rank runs the same code, so every rank refuses at the same call
+    and none is left waiting). (result, error text or None, the send/recv calls made)."""
+    from ..ledger import POINT_TO_POINT, Ledger
+
+    def refuse(call) -> None:
+        if call.op not in POINT_TO_POINT:
+            raise _Refused(f"{exercise} must move data with dist.send/recv or dist.isend/irecv "
+                           f"only; it called {call.text()}")
+
+    with Ledger(on_call=refuse) as ledger:
+        try:
+            return fn(*args), None, ledger.calls
+        except Exception as e:  # noqa: BLE001 - the same error on every rank: report, go on
+            return None, f"raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", \
+                ledger.calls
 
 
 def _all_reduce_inputs(rank: int) -> list[tuple[str, torch.Tensor]]:
@@ -143,32 +127,55 @@ def _all_reduce_inputs(rank: int) -> list[tuple[str, torch.Tensor]]:
 
 @exercise_check("naive_all_reduce", "ranks")
 def check_naive_all_reduce(namespace: dict) -> list[Case]:
-    """naive_all_reduce(tensor) sums in place like dist.all_reduce, with send/recv only."""
+    """naive_all_reduce(tensor) sums in place like dist.all_reduce, with send/recv only (the
+    Ledger refuses any collective, whatever name it was imported under)."""
     fn = require(namespace, "naive_all_reduce")
     cases = []
     for label, data in _all_reduce_inputs(dist.get_rank()):
         expected = data.clone()
         dist.all_reduce(expected)
         got = data.clone()
-        _, error = _call("naive_all_reduce", fn, got)
+        _, error, _ = _call("naive_all_reduce", fn, got)
         if error:
             return [*cases, Case(label, False, error)]
         cases.append(case(f"{label} (summed in place)", got, expected))
     return cases
 
 
+def _ring_case(label: str, calls: list, mine: torch.Tensor) -> Case:
+    """The calls of one rank's ring_all_gather: every send to one neighbour, every receive
+    from the other (either direction is a ring), and (n-1) chunks of this rank's size sent."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sends = {c.peer for c in calls if c.op == "send"}
+    recvs = {c.peer for c in calls if c.op == "recv"}
+    sent = sum(c.nbytes for c in calls if c.op == "send")
+    chunk = mine.numel() * mine.element_size()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    ring = (sends, recvs) in (({right}, {left}), ({left}, {right}))
+    ok = ring and sent == (n - 1) * chunk
+    called = ", ".join(c.text() for c in calls) or "no send/recv"
+    return Case(f"{label}: the ring", ok,
+                f"called {called}; expected every send to one neighbour (rank {right} or "
+                f"{left}) and every recv from the other, {n - 1} chunks of {chunk} bytes "
+                f"({(n - 1) * chunk} bytes) sent in all, got {sent}")
+
+
 @exercise_check("ring_all_gather", "ranks")
 def check_ring_all_gather(namespace: dict) -> list[Case]:
-    """ring_all_gather(tensor) returns every rank's tensor concatenated in rank order."""
+    """ring_all_gather(tensor) returns every rank's tensor concatenated in rank order, moving
+    them around a ring: send/recv to neighbours only, (n-1) chunks sent by each rank."""
     fn = require(namespace, "ring_all_gather")
     rank, n = dist.get_rank(), dist.get_world_size()
     cases = []
     for label, mine in (("3 floats per rank", torch.arange(1.0, 4.0) + 10 * rank),
-                        ("5 integers per rank", torch.arange(5) * (rank + 1))):
+                        ("5 integers per rank", torch.arange(5) * (rank + 1)),
+                        ("4 float64 per rank", torch.full((4,), rank + 0.5,
+                                                          dtype=torch.float64))):
         parts = [torch.empty_like(mine) for _ in range(n)]
         dist.all_gather(parts, mine)
-        got, error = _call("ring_all_gather", fn, mine.clone())
+        got, error, calls = _call("ring_all_gather", fn, mine.clone())
         if error:
             return [*cases, Case(label, False, error)]
         cases.append(case(label, got, torch.cat(parts)))
+        cases.append(_ring_case(label, calls, mine))
     return cases
