@@ -19,17 +19,17 @@ import weakref
 from .errors import LaunchRefused, RankDied
 from .listen import Attached, Listener
 from .options import check_pool
-from .protocol import AskWhere, Command, Error, Ok, Ready, Reply, Stop, Unreadable, Where
+from .protocol import AskWhere, Command, Error, Ready, Reply, Stop, Unreadable, Where
 from .ranks import RankRow, Ranks, RanksStatus
 from .relay import OutputRelay
 from .sockets import Hello, Output, Setup
-from .supervisor import Failure, Priority, looks_like_peer_failure
+from .supervisor import Failure, Priority, ReplyPolicy
 from .watch import Outcome
 
 _STOP_SECONDS = 5.0  # how long served ranks told to Stop may take to close their connections
 
 
-class ServedSet:
+class ServedSet(ReplyPolicy):
     """The attached ranks of one pool: their channels, replies, and who closed the connection."""
 
     persistent = True
@@ -89,32 +89,10 @@ class ServedSet:
             for chan in ready:
                 self._read(next(r for r, c in self.chans.items() if c is chan))
 
-    # -- what policy reads ----------------------------------------------------------------------
+    # -- what policy reads (ReplyPolicy, plus how an exit counts) ------------------------------
 
-    def replies(self) -> dict[int, Reply]:
-        return dict(self._replies)
-
-    def answered(self, ranks: list[int]) -> bool:
-        return all(r in self._replies for r in ranks)
-
-    def finished(self) -> list[int]:
-        return sorted(r for r, reply in self._replies.items() if isinstance(reply, (Ok, Ready)))
-
-    def failure(self) -> Failure | None:
-        """As RankSet.failure: a closed connection counts as a death."""
-        candidates = []
-        for rank, reply in self._replies.items():
-            if isinstance(reply, Error):
-                knock_on = looks_like_peer_failure(reply.type, reply.message)
-                candidates.append(Failure(Priority.KNOCK_ON if knock_on else Priority.ROOT_CAUSE,
-                                          rank, error=reply))
-        for rank in self.exitcodes:
-            if not isinstance(self._replies.get(rank), Error):
-                candidates.append(Failure(Priority.DIED, rank, exitcode=None))
-        return min(candidates, key=lambda f: (f.priority, f.rank)) if candidates else None
-
-    def alive(self, rank: int) -> bool:
-        return rank not in self.exitcodes and not self.stopped
+    def _exit_failure(self, rank: int, code: int | None) -> Failure:
+        return Failure(Priority.DIED, rank, exitcode=None)  # a closed connection: a death
 
     # -- persistent ranks -----------------------------------------------------------------------
 

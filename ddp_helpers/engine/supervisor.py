@@ -70,7 +70,46 @@ class Failure:
         return self.error is not None
 
 
-class RankSet:
+class ReplyPolicy:
+    """What the watch and the failure rules read of a set of ranks, from `_replies` (rank ->
+    its reply to the current request), `exitcodes` and `stopped`: shared by RankSet (forked
+    ranks, pipes) and ServedSet (attached ranks, sockets), which say how an exit counts."""
+
+    def replies(self) -> dict[int, Reply]:
+        """Each rank's reply to the current request (or, for launch, its function's result)."""
+        return dict(self._replies)
+
+    def answered(self, ranks: list[int]) -> bool:
+        """True once each of `ranks` has replied."""
+        return all(r in self._replies for r in ranks)
+
+    def finished(self) -> list[int]:
+        """The ranks whose reply is a success, in rank order."""
+        return sorted(r for r, reply in self._replies.items() if isinstance(reply, (Ok, Ready)))
+
+    def alive(self, rank: int) -> bool:
+        """True while rank's process (or connection) has not ended."""
+        return rank not in self.exitcodes and not self.stopped
+
+    def failure(self) -> Failure | None:
+        """The root cause among the failures seen so far, or None."""
+        candidates = []
+        for rank, reply in self._replies.items():
+            if isinstance(reply, Error):
+                knock_on = looks_like_peer_failure(reply.type, reply.message)
+                candidates.append(Failure(Priority.KNOCK_ON if knock_on else Priority.ROOT_CAUSE,
+                                          rank, error=reply))
+        for rank, code in self.exitcodes.items():
+            if not isinstance(self._replies.get(rank), Error):
+                exited = self._exit_failure(rank, code)
+                candidates += [exited] if exited is not None else []
+        return min(candidates, key=lambda f: (f.priority, f.rank)) if candidates else None
+
+    def _exit_failure(self, rank: int, code: int | None) -> Failure | None:
+        raise NotImplementedError
+
+
+class RankSet(ReplyPolicy):
     """The processes of one run: their channels, what they replied and how they exited.
 
     `persistent=True` gives every rank a command channel and a control channel (for `Ranks`),
@@ -186,45 +225,19 @@ class RankSet:
             for conn in ready:
                 self._read(conn)
 
-    # -- what policy reads ----------------------------------------------------------------------
+    # -- what policy reads (ReplyPolicy, plus how an exit counts) ------------------------------
 
-    def replies(self) -> dict[int, Reply]:
-        """Each rank's reply to the current request (or, for launch, its function's result)."""
-        return dict(self._replies)
-
-    def answered(self, ranks: list[int]) -> bool:
-        """True once each of `ranks` has replied."""
-        return all(r in self._replies for r in ranks)
-
-    def finished(self) -> list[int]:
-        """The ranks whose reply is a success, in rank order."""
-        return sorted(r for r, reply in self._replies.items() if isinstance(reply, (Ok, Ready)))
-
-    def failure(self) -> Failure | None:
-        """The root cause among the failures seen so far, or None."""
-        candidates = []
-        for rank, reply in self._replies.items():
-            if isinstance(reply, Error):
-                knock_on = looks_like_peer_failure(reply.type, reply.message)
-                candidates.append(Failure(Priority.KNOCK_ON if knock_on else Priority.ROOT_CAUSE,
-                                          rank, error=reply))
-        for rank, code in self.exitcodes.items():
-            if rank not in self._replies or self.persistent or code != 0:
-                if not isinstance(self._replies.get(rank), Error):
-                    # gloo aborts a rank whose peer vanished mid-collective: a SIGABRT is most
-                    # often a consequence, so a peer's SIGKILL or segfault is reported first.
-                    aborted = code == -signal.SIGABRT
-                    candidates.append(Failure(Priority.ABORTED if aborted else Priority.DIED,
-                                              rank, exitcode=code))
-        return min(candidates, key=lambda f: (f.priority, f.rank)) if candidates else None
+    def _exit_failure(self, rank: int, code: int | None) -> Failure | None:
+        if rank in self._replies and not self.persistent and code == 0:
+            return None  # a launched function that returned, then exited cleanly
+        # gloo aborts a rank whose peer vanished mid-collective: a SIGABRT is most often a
+        # consequence, so a peer's SIGKILL or segfault is reported first.
+        aborted = code == -signal.SIGABRT
+        return Failure(Priority.ABORTED if aborted else Priority.DIED, rank, exitcode=code)
 
     def all_exited(self) -> bool:
         """True once every rank process has exited."""
         return not self._waiting
-
-    def alive(self, rank: int) -> bool:
-        """True while rank's process has not exited."""
-        return rank not in self.exitcodes and not self.stopped
 
     # -- persistent ranks -----------------------------------------------------------------------
 
