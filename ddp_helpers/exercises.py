@@ -120,12 +120,12 @@ def _run(ex: Exercise, answer: object, pool) -> list[Case]:
 
 
 def _run_on_ranks(ex: Exercise, pool) -> list[Case]:
-    from .engine import LaunchError, current
+    from .engine import LaunchError, current, start_command
 
     pool = pool or current()
     if pool is None or not pool.running:
-        raise NotAttempted("no ranks are running: `%ranks start 2`, define your function in a "
-                           "%%ranks cell, then run this check")
+        raise NotAttempted(f"no ranks are running: {start_command(pool)}, define your function "
+                           "in a %%ranks cell, then run this check")
     code = f"import ddp_helpers.exercises as _ex\n_ex.on_rank({ex.name!r}, globals())"
     try:
         per_rank = pool.run(code, output="none")

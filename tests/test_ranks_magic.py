@@ -148,3 +148,33 @@ def test_a_wrong_cell_option_names_the_cell_magics_options(shell):
     error = run(shell, "%%ranks --backend gloo\n1")
     assert isinstance(error, dh.LaunchRefused)
     assert "%%ranks takes --targets" in str(error) and "--no-group" not in str(error)
+
+
+def test_ledger_prints_the_cells_collectives_one_column_per_rank(shell, capsys):
+    run(shell, "%ranks start 2 --output none")
+    assert run(shell, "%%ranks --ledger\nt = torch.ones(4)\ndist.all_reduce(t)\n"
+                      "if rank == 0:\n    dist.send(t.double(), dst=1)\n"
+                      "else:\n    dist.recv(t.double(), src=0)\ndist.barrier()") is None
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = [i for i, line in enumerate(lines) if line.startswith("Collectives of ")]
+    assert head, out
+    table = lines[head[0]:]
+    assert table[1].split() == ["rank", "0", "rank", "1"], out
+    assert table[2].split()[:5] == ["1", "all_reduce", "#1", "float32[4]", "(line"], out
+    assert "send #2 float64[4] to rank 1 (line 5)" in table[3], out
+    assert "recv #2 float64[4] from rank 0 (line 7)" in table[3], out
+    assert "barrier #3 (line 8)" in table[4], out
+    assert table[5].strip() == "rank 0: 3 calls, 48 B; rank 1: 3 calls, 48 B", out
+
+
+def test_ledger_of_a_cell_without_collectives_says_so(shell, capsys):
+    run(shell, "%ranks start 2 --output none")
+    assert run(shell, "%%ranks --ledger\nx = rank") is None
+    assert "no collective or send/recv was called" in capsys.readouterr().out
+
+
+def test_no_live_view_outside_a_jupyter_kernel(shell):
+    from ddp_helpers.engine.live_view import display_factory
+
+    assert display_factory() is None  # a terminal IPython has no display ids to update

@@ -16,7 +16,7 @@ from .errors import (
 )
 from .launch import launch
 from .magic import load_ipython_extension
-from .ranks import Ranks, current  # noqa: F401 - for exercises: the pool %%ranks uses
+from .ranks import Ranks, current, start_command  # noqa: F401 - for exercises: the pool %%ranks uses
 from .served_rank import main as serve_main  # noqa: F401 - python -m ddp_helpers.serve
 from .start import free_port
 from .supervisor import looks_like_peer_failure

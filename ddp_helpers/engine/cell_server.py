@@ -111,7 +111,7 @@ def _ready(namespace: dict) -> Ready:
 
 def run_cell(namespace: dict, cell: RunCell) -> bytes:
     """Run one cell; its reply, encoded: Ok(last value, {name: value}) or Error."""
-    filename = f"{_CELL}{cell.number}>"
+    filename = f"{_CELL}{cell.label or cell.number}>"  # "<cell In [5]>", as IPython names it
     code = "\n" * (cell.first_line - 1) + cell.code  # lines numbered as the editor shows them
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
@@ -191,5 +191,13 @@ def where(thread_id: int) -> Where:
     calls = [f.name for f in inside if f.name not in ("wrapper", "<module>")]
     line = cells[-1]
     return Where(in_comm=bool(inside) or ".wait(" in (line.line or ""),
-                 cell=f"{line.filename} line {line.lineno}: {(line.line or '').strip()}",
+                 cell=f"{cell_name(line.filename)}, line {line.lineno}: "
+                      f"{(line.line or '').strip()}",
                  call=calls[-1] if calls else None)
+
+
+def cell_name(filename: str) -> str:
+    """"<cell In [5]>" -> "In [5]"; "<cell 3>" (code run from Python: its number is the
+    pool's count, which the learner never sees) -> "this cell"."""
+    name = filename[len(_CELL):-1]
+    return "this cell" if name.isdigit() else name

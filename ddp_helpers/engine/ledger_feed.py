@@ -10,6 +10,8 @@ Parent side: `LedgerReader` turns the bytes back into Calls, stamped with when t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
@@ -17,6 +19,7 @@ import time
 from ..ledger import Call
 
 _PIPE_BUF = 4096  # a pipe write up to this size is all or nothing, even non-blocking
+_PIPE_SIZE = 1 << 20  # Linux's default /proc/sys/fs/pipe-max-size
 
 
 class Feed:
@@ -24,6 +27,10 @@ class Feed:
 
     def __init__(self, fd: int):
         os.set_blocking(fd, False)
+        # The parent reads this pipe once per poll (a quarter second at most): room for about
+        # ten thousand lines in between, where Linux allows (its default is 64 KiB).
+        with contextlib.suppress(AttributeError, OSError):
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
         self.fd = fd
         self.dropped = 0
 

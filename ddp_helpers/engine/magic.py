@@ -7,6 +7,7 @@
     %ranks status | stop | restart
 
     %%ranks [--targets 0,1] [--timeout S] [--output live|by_rank|none] [--return NAME[,NAME]]
+            [--ledger]
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     t                      # shown per rank, as "[rank r] Out: ..."
@@ -18,13 +19,14 @@ import argparse
 import shlex
 
 from .errors import LaunchRefused
+from .ledger_table import ledger_table
 from .options import OUTPUT_MODES, check_pool, check_targets
-from .ranks import Ranks, current
+from .ranks import Ranks, current, start_command
 
 _USAGE = ("Use `%ranks start 2` (options --backend, --timeout, --no-group, --output, --env), then "
           "`%%ranks` cells; `%ranks status`, `%ranks restart`, `%ranks stop`.")
-_CELL_USAGE = ("%%ranks takes --targets 0,1, --timeout S, --output live|by_rank|none and "
-               "--return NAME[,NAME], e.g. `%%ranks --targets 0 --timeout 30`.")
+_CELL_USAGE = ("%%ranks takes --targets 0,1, --timeout S, --output live|by_rank|none, "
+               "--return NAME[,NAME] and --ledger, e.g. `%%ranks --targets 0 --timeout 30`.")
 
 HELP = """Persistent ranks in a notebook: start them once, then run cells on every rank.
 
@@ -47,6 +49,7 @@ HELP = """Persistent ranks in a notebook: start them once, then run cells on eve
     --timeout S                seconds this cell may take (default: the pool's)
     --output live|by_rank|none this cell's output mode
     --return NAME[,NAME]       bring these variables back, as a list per name (rank order)
+    --ledger                   then print the cell's collectives, one column per rank
 
 Example:
     %load_ext ddp_helpers
@@ -90,6 +93,7 @@ def _cell_parser() -> _Parser:
     p.add_argument("--timeout", type=float, default=None)
     p.add_argument("--output", choices=OUTPUT_MODES, default=None)
     p.add_argument("--return", dest="returns", default="")
+    p.add_argument("--ledger", action="store_true")
     return p
 
 
@@ -117,6 +121,8 @@ def ranks_line(line: str) -> object:
         raise LaunchRefused(f"%ranks {args.action}: no ranks were started. {_USAGE}")
     if args.action == "stop":
         pool.stop()
+        print(f"ddp_helpers: the {pool.nprocs} ranks were stopped. To use them again (the "
+              f"exercises above need them), run {start_command()}.")
     elif args.action == "restart":
         pool.restart()
     else:
@@ -134,7 +140,7 @@ def ranks_cell(line: str, cell: str, user_ns: dict, label: str | None = None) ->
     pool = current()
     if pool is None:
         raise LaunchRefused(f"%%ranks: no ranks are running. Start them first with "
-                            f"`%ranks start 2` (after `%load_ext ddp_helpers`). {_USAGE}")
+                            f"{start_command()} (after `%load_ext ddp_helpers`). {_USAGE}")
     targets = _targets(args.targets)
     names = [n for n in args.returns.split(",") if n]
     bad = [n for n in names if not n.isidentifier()]
@@ -148,6 +154,9 @@ def ranks_cell(line: str, cell: str, user_ns: dict, label: str | None = None) ->
             _show(rank, reply.value)
     for name in names:
         user_ns[name] = [reply.returned[name] for reply in replies]
+    if args.ledger:
+        print(ledger_table(pool.collectives(), check_targets(targets, pool.nprocs),
+                           f"Collectives of {label or 'this cell'}", pool.place))
 
 
 def _show(rank: int, value) -> None:

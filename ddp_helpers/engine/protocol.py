@@ -25,12 +25,14 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class RunCell:
     """Run `code` as cell `number`; reply with its last value and the variables in `returns`.
-    `first_line` is the number its first line gets in tracebacks and the ledger."""
+    `first_line` is the number its first line gets in tracebacks and the ledger, `label` the
+    name the learner knows the cell by."""
 
     number: int
     code: str
     returns: tuple[str, ...] = ()
     first_line: int = 1
+    label: str | None = None  # the cell's name in tracebacks: "In [5]" (else "cell <number>")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .cell_server import serve
+from ..ledger import Call
+from .cell_server import cell_name, serve
 from .census import pid_alive
 from .errors import (
     CellInterrupted,
@@ -29,6 +30,7 @@ from .errors import (
     RankDied,
     RankRaised,
 )
+from .live_view import LiveView, display_factory
 from .mismatch import aborted_note, explain
 from .options import check_cell, check_pool, check_push
 from .protocol import Push, Ready, RunCell, Where
@@ -152,9 +154,8 @@ class Ranks:
         targets = check_cell(code, targets, timeout, output, self.nprocs)
         self._ensure_running()
         self.cells_run += 1
-        self._label = label
-        replies = self._request(RunCell(self.cells_run, code, tuple(returns or ()), first_line),
-                                targets, timeout, output)
+        replies = self._request(RunCell(self.cells_run, code, tuple(returns or ()), first_line,
+                                        label), targets, timeout, output)
         if returns is None:
             return [reply.value for reply in replies]
         return [CellResult(reply.value, reply.returned) for reply in replies]
@@ -176,6 +177,14 @@ class Ranks:
         self._ensure_running()
         self._request(Push(values), targets, self.timeout, self.output)
 
+    def collectives(self) -> dict[int, list[Call]]:
+        """The collectives and send/recv calls each rank made in the last cell, in order, as
+        the ledger recorded them ({rank: [Call, ...]}; what `%%ranks --ledger` prints)."""
+        ledger = getattr(self._set, "ledger", None)
+        if ledger is None:
+            return {}
+        return {r: [call for call, _ in entries] for r, entries in ledger.calls.items()}
+
     def status(self) -> RanksStatus:
         """Which ranks are alive, their pids, device and backend, and how many cells ran."""
         pids = self._set.pids if self._set else [None] * self.nprocs
@@ -191,20 +200,25 @@ class Ranks:
                  output: str, *, starting: bool = False) -> list:
         """Send `command` (None: wait for the ranks' Ready) and wait; each target's reply."""
         ranks = self._set
+        ranks.relay.last.clear()  # a message quotes what the ranks printed in this cell only
         ranks.ask(targets, command, output)
         watch = CellWatch(ranks, targets)
+        view = LiveView(watch, display_factory() if isinstance(command, RunCell) else None)
         deadline = time.monotonic() + timeout
         try:
             if starting:
                 outcome = wait(ranks, watch.done, deadline, give_up_once_settled)
             else:
-                outcome = wait(ranks, watch.done, deadline, watch.give_up, watch.stalled)
+                outcome = wait(ranks, watch.done, deadline, watch.give_up, watch.stalled,
+                               view.tick)
         except KeyboardInterrupt:  # the stop button in Jupyter: one sentence, no kit frames
             text = self._drop("the cell was interrupted", watch.where_all(), polite=False)
             raise CellInterrupted(f"ddp_helpers: {text}") from None
         except BaseException:
             self._drop("the cell was interrupted", watch.where_all(), interrupted=True)
             raise
+        finally:
+            view.close()
         ranks.drain_output()
         ranks.relay.flush()
         if outcome is Outcome.DONE and ranks.failure() is None:
@@ -229,7 +243,7 @@ class Ranks:
         if outcome is Outcome.TIMEOUT:
             return LaunchTimeout.from_unfinished(
                 watch.unfinished(), self.nprocs, last, what=f" after {timeout:g} s",
-                consequence=consequence)
+                consequence=consequence, since=" in this cell")
         if outcome is Outcome.STALLED:
             idle = [r for r in range(self.nprocs) if r not in watch.unfinished()]
             return LaunchTimeout.from_stall(watch.unfinished(), idle, self.nprocs, STALL_SECONDS,
@@ -250,16 +264,16 @@ class Ranks:
         finding = watch.mismatch()
         if finding is None:
             return None
-        text = explain(finding, self.nprocs, self._place, time.monotonic())
+        text = explain(finding, self.nprocs, self.place, time.monotonic())
         text += aborted_note(self._set.exitcodes)
         consequence = self._drop("the collectives did not match", {}, polite=False)
         return CollectiveMismatch.from_finding(finding, text, watch.unfinished(), consequence)
 
-    def _place(self, where: tuple[str, int]) -> str:
+    def place(self, where: tuple[str, int]) -> str:
         """A call's place as the learner sees it: "In [5], line 4"."""
         path, line = where
         if path.startswith("<cell "):
-            return f"{getattr(self, '_label', None) or 'this cell'}, line {line}"
+            return f"{cell_name(path)}, line {line}"
         return f"{shorten_path(path)}, line {line}"
 
     def _drop(self, reason: str, where: dict[int, Where | None], *,
@@ -283,8 +297,8 @@ class Ranks:
         if self._set is not None:
             return
         if self._stopped_because == "stopped":
-            raise LaunchRefused("these ranks were stopped: call .restart() (or `%ranks restart`) "
-                                "to start fresh ones.")
+            raise LaunchRefused(f"these ranks were stopped: start fresh ones with "
+                                f"{start_command(self)} (in Python: pool.restart()).")
         print(f"starting {self.nprocs} fresh ranks (the previous ones were stopped: "
               f"{self._stopped_because})", flush=True)
         self.start()
@@ -306,6 +320,13 @@ class Ranks:
 def current() -> Ranks | None:
     """The pool started last (by `%ranks start` or `dh.Ranks(...)`), running or not."""
     return _current
+
+
+def start_command(pool: Ranks | None = None) -> str:
+    """The magic that brings the ranks back, sized as the last pool was: `%ranks start 3`
+    (the one command every message gives, whether the ranks were stopped or never started)."""
+    pool = pool or _current
+    return f"`%ranks start {pool.nprocs if pool is not None else 2}`"
 
 
 def _reason(outcome: Outcome, failure: Failure | None) -> str:

@@ -166,10 +166,15 @@ class RankSet(ReplyPolicy):
     def poll(self, until: float) -> None:
         """Relay output, collect replies and reap exited ranks until something arrives or the
         monotonic time `until`."""
-        ready = multiprocessing.connection.wait(list(self.pipes.readers) + list(self._waiting),
+        # Ledger pipes are not waited on: a line per collective would wake the parent for
+        # every call (1.8x the cost of a tiny all_reduce on two cores); they are read once
+        # per poll instead, which the mismatch rule (several polls apart) never notices.
+        waited = [c for c, (kind, _) in self.pipes.readers.items() if kind != "led"]
+        ready = multiprocessing.connection.wait(waited + list(self._waiting),
                                                 max(until - time.monotonic(), 0))
         for conn in [o for o in ready if o in self.pipes.readers]:
             self._read(conn)
+        self._read_ledgers()
         for sentinel in [o for o in ready if o in self._waiting]:
             rank = self._waiting.pop(sentinel)
             proc = self.context.processes[rank]
@@ -205,6 +210,12 @@ class RankSet(ReplyPolicy):
             self.relay.feed(rank, kind, data)
         else:
             self.pipes.forget(conn)
+
+    def _read_ledgers(self) -> None:
+        """Whatever the ledger pipes hold now, without waiting."""
+        ledgers = [c for c, (kind, _) in self.pipes.readers.items() if kind == "led"]
+        for conn in multiprocessing.connection.wait(ledgers, 0) if ledgers else []:
+            self._read(conn)
 
     def _drain_replies(self, rank: int) -> None:
         for conn, (kind, r) in list(self.pipes.readers.items()):

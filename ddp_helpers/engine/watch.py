@@ -32,13 +32,16 @@ class Outcome(enum.Enum):
 
 def wait(ranks: RankSet, done: Callable[[], bool], deadline: float,
          give_up: Callable[[Failure, bool], bool],
-         stalled: Callable[[], bool] | None = None) -> Outcome:
+         stalled: Callable[[], bool] | None = None,
+         tick: Callable[[], None] | None = None) -> Outcome:
     """Relay output and collect replies until `done()`, the monotonic `deadline`, a failure
     that `give_up(failure, settled)` accepts, or, without any failure, until `stalled()`.
     `settled` turns True SETTLE_SECONDS after the first failure, when a root cause has had
-    time to arrive."""
+    time to arrive. `tick()` is called at every turn (the live view)."""
     settle_at = None
     while not done():
+        if tick is not None:
+            tick()
         now = time.monotonic()
         if now >= deadline:
             return Outcome.TIMEOUT
