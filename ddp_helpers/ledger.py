@@ -58,7 +58,7 @@ OP_NAMES = {
 # c10d ops whose first argument is the output buffer: the input this rank gives is the second.
 _INPUT_SECOND = {"allgather_", "_allgather_base_", "reduce_scatter_", "_reduce_scatter_base_",
                  "allgather_into_tensor_coalesced_", "allgather_coalesced_", "alltoall_",
-                 "alltoall_base_", "scatter_", "reduce_scatter_tensor_coalesced_"}
+                 "alltoall_base_", "scatter_", "reduce_scatter_tensor_coalesced_", "gather_"}
 POINT_TO_POINT = {"send", "recv"}
 _NAMESPACES = ("c10d", "_c10d_functional")
 # Frames inside these folders are torch's or the kit's plumbing, never the caller to name.
