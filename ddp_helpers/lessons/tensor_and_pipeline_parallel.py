@@ -440,7 +440,7 @@ def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: in
     kw = {"width": TIMED["width"]} if timed else {}
     batch = TIMED["batch"] if timed else PIPE_BATCH
     order_of, source = _order_function(schedule, namespace)
-    orders = [order_of(s, world_size, num_microbatches) for s in range(world_size)]
+    orders = [_as_order(order_of(s, world_size, num_microbatches)) for s in range(world_size)]
     simulate(orders)  # refuses, on every rank alike, orders that are invalid or would deadlock
     model = pipeline_model(0, **kw)
     stage = stage_of(model, rank, world_size).to(device)
