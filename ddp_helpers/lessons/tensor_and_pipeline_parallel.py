@@ -722,6 +722,11 @@ def _calls(summary: dict) -> str:
     return ", ".join(f"{op} x{c} of {b:,} B" for op, (c, b) in summary.items()) or "none"
 
 
+def _raised(e: Exception) -> str:
+    """An exception in a FAIL line: its type and its message's first line."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
 def _everyone_ok(ok: bool, device: torch.device | None) -> bool:
     """Whether every rank's cases so far passed (an all-reduce of a flag, outside any ledger):
     the ranks then stop, or go on, together. One rank alone going on to the next case would
@@ -746,8 +751,8 @@ def check_row_parallel(namespace: dict) -> list[Case]:
                    ((batch, hidden), (out, hidden), (out,)))
         shards = [t.tensor_split(world_size, dim=1)[rank].clone().to(device) for t in (h, w)]
         label = f"batch {batch}, {hidden} hidden features over {world_size} ranks"
-        with CollectiveLog() as log:
-            y = fn(*shards, b.clone().to(device))
+        with CollectiveLog() as log:  # (raised on one rank alone, the others wait in their
+            y = fn(*shards, b.clone().to(device))  # collective: the kit names the mismatch)
         cases.append(case(f"{label}: the output", y, h @ w.T + b, ROW_RTOL, ROW_ATOL))
         want = [("all_reduce", batch * out * 4)]
         got = [(c.op, c.nbytes) for c in log.calls]
@@ -816,7 +821,7 @@ def _agreed_orders(fn, world_size: int) -> tuple[list | None, str]:
         simulate(mine)
         reason = ""
     except Exception as e:  # noqa: BLE001 - a wrong order is a failed case, not a crash
-        mine, reason = None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        mine, reason = None, _raised(e)
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, (mine, reason))
     if any(r for _, r in everyone):
