@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import clean_error_text, launch, models, timing
-from ..checks import case
+from ..checks import Case, case
 from ..exercises import exercise_check, require
 from ..runtime import device_ids, gpu_count, process_group
 from ..torchrun import torchrun_agents  # noqa: F401 - the notebook's torchrun
@@ -576,26 +576,77 @@ def flight_records(folder: str | os.PathLike, last: int = 3) -> dict[int, list[d
 # ---------------------------------------------------------------- exercises
 
 
+# (batches per rank, on as many ranks): 2 ranks; 3 with the fewest in the middle; a rank with
+# none; equal counts. Each rank is told only its own count (see _even_batches_run).
+EVEN_CASES = ([2, 3], [4, 1, 3], [3, 0, 2], [3, 3])
+
+
+def _even_batches_run(rank: int, world_size: int, fn, batches_per_rank: list[int]) -> dict:
+    """fn on this rank, told only its own count (the others' entries None: a rank knows the
+    length of its own loader, not its peers'), under a Ledger: the loss it returned and how
+    many gradient all-reduces (7,850 numbers) it called."""
+    from ..ledger import Ledger
+
+    own = [n if r == rank else None for r, n in enumerate(batches_per_rank)]
+    with Ledger() as ledger:
+        loss = fn(rank, world_size, own)
+    steps = sum(c.op == "all_reduce" and c.shapes == ((GRAD_NUMEL,),) for c in ledger.calls)
+    return {"loss": loss, "steps": steps}
+
+
+def _launch_failure(e: Exception) -> str:
+    """A failed run in one line: what a rank raised, or the collectives that did not match."""
+    if getattr(e, "exc_type", None):
+        return f"rank {e.rank} raised {e.exc_type}: {(e.exc_message.splitlines() or [''])[0]}"
+    return clean_error_text(str(e)).split(". The collective")[0].splitlines()[0]
+
+
 @exercise_check("even_batches", "file")
 def check_even_batches(module) -> list:
-    """Every rank must run the same number of steps and return the summed loss."""
+    """On 2 and 3 ranks, each told only its own batch count: every rank runs min(counts)
+    all-reduces of the gradient (seen in its Ledger) and returns the loss summed over ranks."""
     fn = require(module, "even_batches")
     cases = []
-    for batches, expected in (([2, 3], 4.0), ([5, 1], 2.0), ([3, 3], 6.0)):
-        got = launch(fn, args=(2, batches), nprocs=2, timeout=60, output="none")
-        cases.append(case(f"batches per rank {batches}", got, [expected, expected]))
+    for batches in EVEN_CASES:
+        n = len(batches)
+        label = f"{n} ranks with {batches} batches, each told its own"
+        try:
+            runs = launch(_even_batches_run, args=(n, fn, batches), nprocs=n, timeout=60,
+                          output="none")
+        except Exception as e:  # noqa: BLE001 - a hang named by the kit, or a rank that raised
+            cases.append(Case(label, False, _launch_failure(e)))
+            continue
+        cases.append(case(f"{label}: gradient all-reduces on ranks 0..{n - 1}",
+                          [r["steps"] for r in runs], [min(batches)] * n))
+        cases.append(case(f"{label}: the loss each rank returned", [r["loss"] for r in runs],
+                          [float(min(batches) * n)] * n))
     return cases
+
+
+# What was all-reduced, and in how long: the function takes bytes, so a bfloat16 or float64
+# tensor's bytes are its numel times 2 or 8. Odd N = 3 too: 2(N-1)/N is 1 for N = 2 only.
+BUS_CASES = (("float32", 1 << 20, 2e-3, 2), ("bfloat16", 25_165_824, 37.5e-3, 3),
+             ("float64", 8 << 20, 5e-3, 4), ("float32", 1 << 28, 0.08, 8))
 
 
 @exercise_check("bus_bandwidth", "file")
 def check_bus_bandwidth(module) -> list:
-    """busbw = bytes / seconds / 1e9 x 2(N-1)/N, for N = 2, 4 and 8 ranks."""
+    """busbw = bytes / seconds / 1e9 x 2(N-1)/N, for tensors of three dtypes on 2, 3, 4 and 8
+    ranks; a FAIL shows algbw and the factor beside the expected value."""
     fn = require(module, "bus_bandwidth")
     cases = []
-    for nbytes, seconds, n in ((4 << 20, 2e-3, 2), (64 << 20, 5e-3, 4), (1 << 30, 0.08, 8)):
-        expected = nbytes / seconds / 1e9 * bus_factor(n)
-        cases.append(case(f"{nbytes:,} bytes in {seconds} s on {n} ranks",
-                          fn(nbytes, seconds, n), expected, rtol=1e-9, atol=0))
+    for dtype, numel, seconds, n in BUS_CASES:
+        nbytes = numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        label = (f"{dtype}[{numel:,}] ({nbytes:,} bytes) all-reduced in {seconds * 1e3:g} ms "
+                 f"on {n} ranks")
+        algbw = nbytes / seconds / 1e9
+        expected, got = algbw * bus_factor(n), fn(nbytes, seconds, n)
+        c = case(label, got, expected, rtol=1e-9, atol=0)
+        if not c.ok and isinstance(got, (int, float)):
+            c.detail = (f"got {got:.6g} GB/s, expected {expected:.6g} = algbw {algbw:.6g} GB/s "
+                        f"x 2(N-1)/N = {bus_factor(n):.4g} "
+                        f"(yours is {got / expected:.4g} times that)")
+        cases.append(c)
     return cases
 
 

@@ -440,7 +440,7 @@ def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: in
     kw = {"width": TIMED["width"]} if timed else {}
     batch = TIMED["batch"] if timed else PIPE_BATCH
     order_of, source = _order_function(schedule, namespace)
-    orders = [order_of(s, world_size, num_microbatches) for s in range(world_size)]
+    orders = [_as_order(order_of(s, world_size, num_microbatches)) for s in range(world_size)]
     simulate(orders)  # refuses, on every rank alike, orders that are invalid or would deadlock
     model = pipeline_model(0, **kw)
     stage = stage_of(model, rank, world_size).to(device)
@@ -455,6 +455,7 @@ def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: in
     want = [p.grad for p in stage_of(whole, rank, world_size).parameters()]
     return {"schedule": source, "m": num_microbatches, "ran": ran,
             "order": [(k, i) for k, i, _, _ in ran], "collectives": log.summary(),
+            "calls": list(log.calls),
             "peak_activations": saved.peak, "parameters": param_bytes(stage),
             "grads_equal": case("gradients", _flat(mine), _flat(want), RTOL, ATOL).ok}
 
@@ -706,10 +707,14 @@ def describe_torch_gpipe(records: list[dict | None]) -> str:
 
 # ---------------------------------------------------------------- the exercises' checks
 
-ROW_CASES = ((8, 64, 16), (5, 7, 3))  # (batch, hidden, out): then 7 features, split unevenly
-# The check's output tolerance: each output is a sum of 64 products of unit normals (terms up to
+# (batch, hidden, out): 48 hidden features first, even over 2, 3 or 4 ranks, so that a wrong
+# collective fails there on every rank alike (an all_gather of uneven shards would not match);
+# then 7, which no world size above 1 divides.
+ROW_CASES = ((8, 48, 16), (5, 7, 3))
+# The check's output tolerance: each output is a sum of 48 products of unit normals (terms up to
 # about 8 in all), which summed by rank, or by another CPU's kernels, lands up to a few 1e-6
-# away near zero (1.8e-6 seen with ATEN_CPU_CAPABILITY=default). A wrong answer is off by O(1).
+# away near zero (1.8e-6 seen with ATEN_CPU_CAPABILITY=default, with 64). A wrong answer is off
+# by O(1).
 ROW_RTOL, ROW_ATOL = 1e-5, 1e-4
 
 
@@ -717,10 +722,26 @@ def _calls(summary: dict) -> str:
     return ", ".join(f"{op} x{c} of {b:,} B" for op, (c, b) in summary.items()) or "none"
 
 
+def _raised(e: Exception) -> str:
+    """An exception in a FAIL line: its type and its message's first line."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def _everyone_ok(ok: bool, device: torch.device | None) -> bool:
+    """Whether every rank's cases so far passed (an all-reduce of a flag, outside any ledger):
+    the ranks then stop, or go on, together. One rank alone going on to the next case would
+    wait for ever in a collective the others never call."""
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 @exercise_check("row_parallel", "ranks")
 def check_row_parallel(namespace: dict) -> list[Case]:
-    """row_parallel_forward on this rank's columns: the whole output on every rank, and exactly
-    one all-reduce of the output's bytes, counted where torch dispatches collectives."""
+    """row_parallel_forward on this rank's columns (48 hidden features, then 7, which no world
+    size above 1 divides): the whole output on every rank, and exactly one all-reduce of the
+    output's bytes, recorded by the Ledger where torch dispatches collectives (an import alias
+    or a functional collective counts the same; an all_gather or a gather to rank 0 is named)."""
     fn = require(namespace, "row_parallel_forward")
     rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
     cases: list[Case] = []
@@ -730,21 +751,21 @@ def check_row_parallel(namespace: dict) -> list[Case]:
                    ((batch, hidden), (out, hidden), (out,)))
         shards = [t.tensor_split(world_size, dim=1)[rank].clone().to(device) for t in (h, w)]
         label = f"batch {batch}, {hidden} hidden features over {world_size} ranks"
-        log = CollectiveLog()
-        with log:
-            y = fn(*shards, b.clone().to(device))
+        with CollectiveLog() as log:  # (raised on one rank alone, the others wait in their
+            y = fn(*shards, b.clone().to(device))  # collective: the kit names the mismatch)
         cases.append(case(f"{label}: the output", y, h @ w.T + b, ROW_RTOL, ROW_ATOL))
-        want = {"all_reduce": (1, batch * out * 4)}
-        got = log.summary()
+        want = [("all_reduce", batch * out * 4)]
+        got = [(c.op, c.nbytes) for c in log.calls]
         cases.append(Case(f"{label}: the collectives", got == want, "" if got == want else
-                          f"got {_calls(got)}, expected one all_reduce of the output's "
-                          f"{batch * out * 4} B"))
-        if not all(c.ok for c in cases):  # the next case's uneven shards could make a
-            break                         # wrong collective stall: stop at the first failure
+                          f"got {', '.join(c.text() for c in log.calls) or 'none'}, expected "
+                          f"one all_reduce of the output's {batch * out * 4} B"))
+        if not _everyone_ok(all(c.ok for c in cases), device):
+            break  # a wrong collective could stall on the next case's uneven shards
     return cases
 
 
 ORDER_CASES = ((2, 4), (2, 1), (3, 5), (4, 2), (4, 8), (1, 3))  # (stages, micro-batches)
+RUN_MICROBATCHES = 5  # the step run on the ranks: more than 2 or 3 stages, and 16 = 4 + 3 x 4
 
 
 def _first_difference(got: list, want: list) -> str:
@@ -754,34 +775,105 @@ def _first_difference(got: list, want: list) -> str:
     return f"{len(got)} ops, expected {len(want)}"
 
 
-@exercise_check("one_f_one_b", "ranks")
-def check_one_f_one_b(namespace: dict) -> list[Case]:
-    """one_f_one_b(stage, p, m) against 1F1B for several p and m (fewer micro-batches than
-    stages too), then the pipeline run in that order on these ranks: the gradients equal the
-    unsplit model's, and the micro-batches in flight on this stage stay at min(p - s, m)."""
-    fn = require(namespace, "one_f_one_b")
-    kit = solution_module("one_f_one_b").one_f_one_b
+def _as_order(got):
+    """A learner's order as a list of (kind, i) tuples: any iterable of pairs (a generator, a
+    tuple, lists for pairs) is the same answer; anything else is returned as it is."""
+    if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
+        return got
+    got = list(got)
+    return [tuple(op) if isinstance(op, (list, tuple)) else op for op in got]
+
+
+def _messages(order: list[tuple[str, int]], stage: int, num_stages: int) -> list[tuple]:
+    """The sends and receives a stage makes running `order` (as run_stage does): a forward
+    receives from the stage before and sends to the one after; a backward receives from the
+    stage after and sends to the one before. [(op, peer, what for)], in order."""
+    out = []
+    for kind, i in order:
+        what = f"{'forward' if kind == 'F' else 'backward'} of micro-batch {i}"
+        src, dst = (stage - 1, stage + 1) if kind == "F" else (stage + 1, stage - 1)
+        if 0 <= src < num_stages:
+            out.append(("recv", src, what))
+        if 0 <= dst < num_stages:
+            out.append(("send", dst, what))
+    return out
+
+
+def _messages_case(label: str, calls: list, want: list[tuple]) -> Case:
+    """The sends and receives the Ledger saw on this rank against those of 1F1B's order; a
+    failure names the first call that differs and what 1F1B does there."""
+    for k, (c, w) in enumerate(zip(calls, want)):
+        if (c.op, c.peer) != w[:2]:
+            return Case(label, False, f"call {k + 1}: got {c.text()}, expected {w[0]} "
+                                      f"{'to' if w[0] == 'send' else 'from'} rank {w[1]} "
+                                      f"({w[2]})")
+    ok = len(calls) == len(want)
+    return Case(label, ok, "" if ok else f"{len(calls)} sends and receives, expected "
+                                         f"{len(want)}")
+
+
+def _agreed_orders(fn, world_size: int) -> tuple[list | None, str]:
+    """Every stage's order for the step on the ranks, if every rank's function gave the same
+    orders and they form a schedule that cannot deadlock; else None and why. Every rank
+    reaches the all_gather, even if the function raised, so all decide alike."""
+    try:
+        mine = [_as_order(fn(s, world_size, RUN_MICROBATCHES)) for s in range(world_size)]
+        simulate(mine)
+        reason = ""
+    except Exception as e:  # noqa: BLE001 - a wrong order is a failed case, not a crash
+        mine, reason = None, _raised(e)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, (mine, reason))
+    if any(r for _, r in everyone):
+        return None, next(r for _, r in everyone if r)
+    if any(o != everyone[0][0] for o, _ in everyone):
+        return None, "the ranks' functions gave different orders (use `stage`, not the rank)"
+    return mine, ""
+
+
+def _order_cases(fn, kit) -> list[Case]:
+    """The learner's order against 1F1B's for every stage of each (p, m) in ORDER_CASES."""
     cases = []
     for p, m in ORDER_CASES:
         for s in range(p):
-            got = fn(s, p, m)
-            got = [tuple(op) for op in got] if isinstance(got, (list, tuple)) else got
-            want = kit(s, p, m)
+            got, want = _as_order(fn(s, p, m)), kit(s, p, m)
             ok = got == want
             cases.append(Case(f"stage {s} of {p}, {m} micro-batches", ok, "" if ok else
                               _first_difference(got, want) if isinstance(got, list) else
                               f"got {got!r}, expected a list like {want[:3]}"))
-    if not all(c.ok for c in cases):
-        return cases  # never run an order that could deadlock the ranks
-    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
-    run = run_pipeline("1f1b", 3, rank, world_size, {"one_f_one_b": fn}, device=device)
-    cases.append(Case(f"a step on {world_size} ranks, 3 micro-batches of 6, 5, 5: gradients "
-                      "equal the unsplit model's", run["grads_equal"],
-                      "" if run["grads_equal"] else "they differ"))
-    held, bound = peak_in_flight(run["order"]), min(world_size - rank, 3)
-    cases.append(Case("micro-batches held at once on this stage", held == bound,
-                      "" if held == bound else f"got {held}, expected {bound}"))
     return cases
+
+
+@exercise_check("one_f_one_b", "ranks")
+def check_one_f_one_b(namespace: dict) -> list[Case]:
+    """A step of the pipeline run on these ranks in the learner's order (5 uneven micro-batches,
+    more than the stages), where it is a schedule that cannot deadlock: each rank's sends and
+    receives, recorded by the Ledger in order with their peers, are 1F1B's (GPipe's order gives
+    the same gradients and FAILs here), the gradients equal the unsplit model's, and the stage
+    holds min(p - s, m) micro-batches at most. Then the order itself against 1F1B's for 1 to 4
+    stages and 1 to 8 micro-batches (fewer micro-batches than stages too), on the last rank
+    only (every rank would find the same), so that a FAIL names the run's cases first."""
+    fn = require(namespace, "one_f_one_b")
+    kit = solution_module("one_f_one_b").one_f_one_b
+    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    m = RUN_MICROBATCHES
+    sizes = ", ".join(str(len(t)) for t in torch.arange(PIPE_BATCH).tensor_split(m))
+    label = f"a step on {world_size} ranks, {m} micro-batches of {sizes}"
+    orders, why = _agreed_orders(fn, world_size)
+    if orders is None:
+        cases = [Case(f"{label}: your orders", False, f"not run: {why}")]
+    else:
+        run = run_pipeline("1f1b", m, rank, world_size,
+                           {"one_f_one_b": lambda s, p, n: orders[s]}, device=device)
+        cases = [_messages_case(f"{label}: stage {rank}'s sends and receives, in order",
+                                run["calls"], _messages(kit(rank, world_size, m), rank,
+                                                        world_size)),
+                 Case(f"{label}: gradients equal the unsplit model's", run["grads_equal"],
+                      "" if run["grads_equal"] else "they differ")]
+        held, bound = peak_in_flight(run["order"]), min(world_size - rank, m)
+        cases.append(Case(f"{label}: micro-batches held at once on stage {rank}",
+                          held == bound, "" if held == bound else f"got {held}, expected {bound}"))
+    return cases + (_order_cases(fn, kit) if rank == world_size - 1 else [])
 
 
 BUBBLE_CASES = ((2, 1), (2, 4), (2, 8), (3, 5), (4, 4), (4, 16), (1, 6), (8, 2))
@@ -791,10 +883,20 @@ def _wrong_bubble(p, m):
     return (p - 1) / m  # idle slots over busy ones, not over the whole step
 
 
+def _number(x) -> float | None:
+    """A predicted value as a float (an int, a Fraction, a numpy or 0-d torch number alike);
+    None if it is no number."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
 @exercise_check("bubble_fraction", "prediction", wrong_answer=_wrong_bubble)
 def check_bubble_fraction(answer) -> list[Case]:
     """bubble_fraction(p, m) against the bubble counted in slots of GPipe's schedule, for
-    several p and m (fewer micro-batches than stages too)."""
+    several p and m (fewer micro-batches than stages too, and one stage): any number type
+    that equals it within 1e-9 (a Fraction, an int 0 for one stage) is the same answer."""
     if not callable(answer):
         return [Case("the answer", False, f"got {answer!r}, expected the function "
                                           "bubble_fraction(p, m)")]
@@ -803,5 +905,12 @@ def check_bubble_fraction(answer) -> list[Case]:
     for p, m in BUBBLE_CASES:
         want = bubble_from_slots(simulate([gpipe(s, p, m) for s in range(p)]))
         got = fn(p, m)
-        cases.append(case(f"p={p}, m={m}", None if got is None else float(got), want, 0, 1e-9))
+        value = _number(got)
+        if value is None:
+            cases.append(Case(f"p={p}, m={m}", False, f"got {got!r}, expected a number "
+                                                      f"such as {want:.6g}"))
+        else:
+            ok = abs(value - want) <= 1e-9
+            cases.append(Case(f"p={p}, m={m}", ok, "" if ok else
+                              f"got {value:.6g}, expected {want:.6g}"))
     return cases
