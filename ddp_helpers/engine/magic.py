@@ -122,7 +122,7 @@ def ranks_line(line: str) -> object:
     if args.action == "stop":
         pool.stop()
         print(f"ddp_helpers: the {pool.nprocs} ranks were stopped. To use them again (the "
-              f"exercises above need them), run {start_command()}.")
+              f"exercises' %%ranks cells need them), run {start_command()}.")
     elif args.action == "restart":
         pool.restart()
     else:
