@@ -36,7 +36,7 @@ def check(name, wrong, right, pool, tmp_path):
 MEAN = "        p.grad /= dist.get_world_size()  # ... made into the mean"
 NAIVE_FLAT = (  # flat_ddp's answer given as the naive one: right values, one call
     "        pass\n    grads = [p.grad for p in model.parameters() if p.grad is not None]\n"
-    "    flat = torch.cat([g.reshape(-1) for g in grads])\n    dist.all_reduce(flat)\n"
+    "    flat = torch.cat([g.reshape(-1) for g in grads])\n    ar(flat)\n"
     "    flat /= dist.get_world_size()\n    offset = 0\n    for g in grads:\n"
     "        g.copy_(flat[offset:offset + g.numel()].view_as(g))\n        offset += g.numel()")
 NAIVE_WRONG = {  # label: (answer, text its FAIL must name)
@@ -65,10 +65,12 @@ NAIVE_WRONG = {  # label: (answer, text its FAIL must name)
              "    for p in [q for m in model.modules() for q in m.parameters(recurse=False)]:\n"
              "        if p.grad is None"),
         f"{ODD}: collectives: called all_reduce #1 float32[32, 16]"),
-    "one flat all_reduce (flat_ddp's answer)": (
+    "one flat all_reduce (flat_ddp's answer), imported under an alias": (
         edit("naive_ddp", "        if p.grad is None:  # frozen (requires_grad=False) or unused: "
              "nothing to average\n            continue\n        dist.all_reduce(p.grad)  # the "
-             "sum over the ranks ...\n" + MEAN, NAIVE_FLAT),
+             "sum over the ranks ...\n" + MEAN, NAIVE_FLAT).replace(
+            "import torch.distributed as dist\n",
+            "import torch.distributed as dist\nfrom torch.distributed import all_reduce as ar\n"),
         f"{ODD}: collectives: called all_reduce #1 float32[1056]; expected one all_reduce of "
         "each of the 5 gradients"),
 }
