@@ -184,6 +184,8 @@ OVERLAP_WRONG = {
         f"{STARTED}: 5 of the 5 collectives were called before backward returned (expected 5: "
         "one all_reduce per gradient, each from a hook); all_reduce #1 was called once 4 of 5 "
         "gradients were ready, expected by the time 1 were"),
+    "never waits: divides while the sum is still in flight": (
+        edit("overlapped_ddp", "        work.wait()\n", ""), f"{ODD}: gradient of "),
     "the list never emptied, so step 2 divides the old works again": (
         edit("overlapped_ddp", "pending.clear()", "pass"),
         "parameters after 3 steps, against torch's DDP: at index"),
@@ -257,6 +259,12 @@ BUCKET_WRONG = {
              "            pending.append((buckets[i], flat, None))").replace(
             "        work.wait()\n", "        dist.all_reduce(flat)\n"),
         f"{BUCKET_STARTED}: 0 of the 3 collectives were called before backward returned"),
+    "a blocking all_reduce in the hook": (
+        edit("bucketed_ddp", BUCKET_LAUNCH, "            work = dist.all_reduce(flat, "
+             "async_op=True)\n            work.wait()  # backward waits for every rank here\n"
+             "            pending.append((buckets[i], flat, work))"),
+        f"rank 0: {ODD}, buckets of 1088 B: the other ranks' backward returned before rank 0 "
+        "began its own: rank 0 waited 10 s"),
     "the ready count never reset, so step 2 sends nothing": (
         edit("bucketed_ddp", "            ready[i] = 0  # for the next backward\n", ""),
         "parameters after 3 steps, against torch's DDP: at index"),
