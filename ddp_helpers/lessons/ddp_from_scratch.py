@@ -193,13 +193,15 @@ def train(version: Version, rank: int, world_size: int, device: torch.device,
             "bytes": sent}
 
 
-def single_process(steps: int = STEPS, model_kw: dict | None = None) -> torch.Tensor:
-    """The reference: one process, rank 0's initial weights, the whole batch each step."""
+def single_process(steps: int = STEPS, model_kw: dict | None = None,
+                   size: int = BATCH) -> torch.Tensor:
+    """The reference: one process, rank 0's initial weights, the whole batch each step (its
+    first `size` samples: what the ranks' equal shares cover when BATCH does not divide)."""
     kw = model_kw or SMALL
     model = tied_model(seed=0, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(steps):
-        x, y = global_batch(step, vocab=kw["vocab"])
+        x, y = (t[:size] for t in global_batch(step, vocab=kw["vocab"]))
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
@@ -335,10 +337,34 @@ def allreduce_seconds(device: torch.device, sizes: list[int], rounds: int = 15) 
 
 
 # ---------------------------------------------------------------- the exercises' checks
+# Each check trains the learner's version next to torch's DDP (the results), and watches one
+# step of it on every rank with the Ledger (the mechanism): which all_reduces, of which sizes,
+# and, for the overlapped and bucketed versions, how many gradients backward had produced when
+# each was called, with every rank but 0 made to finish its backward before rank 0 starts its
+# own, so that an all_reduce that waits inside backward cannot go unseen.
+
+PROBE_WAIT_S = 10.0  # rank 0's wait for the others' backward of a tiny model (milliseconds)
+BOUNDARY_MB = 1088 / 2**20  # the last layer's bias and weight exactly: a bucket hits the cap
+ABOVE_MB = 1089 / 2**20  # one byte more: read as 1e6 bytes per MB, it cuts elsewhere
+CHECK_CAPS_MB = (0.002, 1e-6, BOUNDARY_MB, ABOVE_MB, 1.0)  # 2 buckets, one each, ..., all in one
+_CAP_LABELS = {BOUNDARY_MB: "1088 B (a bucket holds the cap exactly)",
+               ABOVE_MB: "1089 B (one byte above a bucket)"}
 
 
 def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
+
+
+def odd_model(seed: int = 0) -> TiedNet:
+    """The small TiedNet with its frozen layer's bias frozen too: 5 gradients (an odd count)
+    and 2 frozen tensors."""
+    model = tied_model(seed, **SMALL)
+    model.frozen.bias.requires_grad_(False)
+    return model
+
+
+ODD = "one step (5 gradients, 2 frozen tensors)"
+TRAINING = f"{STEPS} steps against torch's DDP"
 
 
 def _trained_cases(version: Version, namespace: dict, same_start: bool,
@@ -349,14 +375,19 @@ def _trained_cases(version: Version, namespace: dict, same_start: bool,
     mine = train(version, rank, world_size, device, STEPS, same_start)
     ddp = train(make_version("ddp"), rank, world_size, device, STEPS)
     cases = []
-    if not same_start:
-        cases.append(case("parameters after broadcast_parameters, against rank 0's",
-                          mine["after_setup"], flat_params(tied_model(0, **SMALL)), 0, 0))
+    if not same_start:  # every rank's, so that rank 0 (whose own are right) sees a wrong rank
+        setups = [torch.empty_like(mine["after_setup"]).to(device) for _ in range(world_size)]
+        dist.all_gather(setups, mine["after_setup"].to(device))
+        initial = flat_params(tied_model(0, **SMALL))
+        cases.append(case("parameters after broadcast_parameters, every rank's (rank, index), "
+                          "against rank 0's initial ones", torch.stack(setups).cpu(),
+                          initial.expand(world_size, -1), 0, 0))
     cases += [
         case(f"parameters after {STEPS} steps, against torch's DDP", mine["params"],
              ddp["params"], RTOL, ATOL),
         case(f"parameters after {STEPS} steps, against one process on the whole batch",
-             mine["params"], single_process(STEPS), RTOL, ATOL),
+             mine["params"], single_process(STEPS, size=BATCH // world_size * world_size),
+             RTOL, ATOL),
         case("collectives in each step", mine["collectives"],
              [{"all_reduce": all_reduces}] * STEPS),
     ]
@@ -367,50 +398,259 @@ def _with_gradient() -> int:
     return sum(p.requires_grad for p in tied_model(0, **SMALL).parameters())
 
 
+@dataclass
+class Step:
+    """One watched step on this rank: the gradients after the sync, the collectives called,
+    how many gradients were ready at each call, how many calls came before backward returned,
+    the gradients in the order backward produced them, and (rank 0, when forced) whether the
+    other ranks' backward returned before rank 0 began its own."""
+
+    grads: dict[str, torch.Tensor | None]
+    expected: dict[str, torch.Tensor | None]
+    calls: list
+    ready_at_call: list[int]
+    in_backward: int
+    ready: list[str]
+    others_returned: bool | None
+
+
+def _mean_gradients(model: nn.Module, x, y) -> dict[str, torch.Tensor | None]:
+    """Each gradient's mean over the ranks, from a copy of `model` (the reference)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    loss_fn(ref(x), y).backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for g in grads.values():
+        if g is not None:
+            dist.all_reduce(g)
+            g /= dist.get_world_size()
+    return grads
+
+
+def _probe_key(device: torch.device) -> str:
+    """A store key prefix every rank agrees on, new for each watched step: rank 0 counts the
+    steps in the store and broadcasts the count."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    count = _get_default_store().add("ddp_from_scratch/steps", 1) if dist.get_rank() == 0 else 0
+    token = torch.tensor([count], device=device)
+    dist.broadcast(token, src=0)
+    return f"ddp_from_scratch/step/{int(token.item())}"
+
+
+def _safely(label: str, cases: Callable[[], list[Case]]) -> list[Case]:
+    """cases(), or one failed case naming what the learner's functions raised (so that the
+    cases before it, e.g. wrong buckets, still show)."""
+    try:
+        return cases()
+    except Exception as e:  # noqa: BLE001 - a crashing answer is a wrong answer
+        first = (str(e).splitlines() or [""])[0]
+        return [Case(label, False, f"your functions raised {type(e).__name__}: {first}")]
+
+
+def _others_returned(key: str, world_size: int) -> bool:
+    """Rank 0: wait until every other rank says its backward returned; False on time-out."""
+    import datetime
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        _get_default_store().wait([f"{key}/{r}" for r in range(1, world_size)],
+                                  datetime.timedelta(seconds=PROBE_WAIT_S))
+        return True
+    except (RuntimeError, dist.DistError):  # timed out: a rank is stuck inside its backward
+        return False
+
+
+def watch_step(setup: Callable, sync: Callable, model: nn.Module, namespace: dict,
+               forced: bool) -> Step:
+    """One step of a version (setup(model) -> state, then sync(state) after backward), watched
+    by the Ledger and by hooks that count the gradients as backward makes them. forced: ranks
+    1.. finish backward before rank 0 begins its own (through the store, not a collective)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    from ..ledger import Ledger
+
+    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    model = model.to(device)
+    x, y = rank_batch(0, rank, world_size, device)  # each rank its share: gradients differ
+    expected = _mean_gradients(model, x, y)
+    state = setup(model)  # the learner's hooks first: ours, registered after, run after theirs
+    names, ready, at_call = _names(model), [], []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: ready.append(names[id(p)]))
+             for p in model.parameters() if p.requires_grad]
+    key = _probe_key(device) if forced else ""
+    others = None
+    try:
+        with Ledger(on_call=lambda call: at_call.append(len(ready))) as ledger:
+            if forced and rank == 0:
+                others = _others_returned(key, world_size)
+            loss_fn(model(x), y).backward()
+            in_backward = len(ledger.calls)
+            if forced and rank != 0:
+                _get_default_store().set(f"{key}/{rank}", "returned")
+            sync(state)
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = {n: None if p.grad is None else p.grad.detach().cpu()
+             for n, p in model.named_parameters()}
+    return Step(grads, {n: None if g is None else g.cpu() for n, g in expected.items()},
+                ledger.calls, at_call, in_backward, ready, others)
+
+
+def _gradient_cases(step: Step, label: str, fn: str) -> list[Case]:
+    """Each gradient after `fn` against its mean over the ranks (a frozen one: still None)."""
+    return [case(f"{label}: gradient of {n} after {fn}", step.grads[n], want, RTOL, ATOL)
+            for n, want in step.expected.items()]
+
+
+def _calls_text(calls: list) -> str:
+    return ", ".join(c.text() for c in calls) or "no collective"
+
+
+def _tensor_text(nbytes: int) -> str:
+    return f"float32[{nbytes // 4}]"
+
+
+def _per_gradient_case(step: Step, label: str) -> Case:
+    """One all_reduce of each gradient, whole, in any order, and nothing else."""
+    want = sorted((tuple(g.shape),) for g in step.expected.values() if g is not None)
+    got = sorted(c.shapes for c in step.calls if c.op == "all_reduce")
+    ok = got == want and all(c.op == "all_reduce" for c in step.calls)
+    return Case(f"{label}: collectives", ok,
+                f"called {_calls_text(step.calls)}; expected one all_reduce of each of the "
+                f"{len(want)} gradients")
+
+
+def _started_in_backward(step: Step, label: str, ceilings: list[int], what: str) -> list[Case]:
+    """The i-th all_reduce called by the time backward had made ceilings[i] gradients (from
+    the hook of the gradient that completes it), all before backward returned; rank 0, when
+    the others were made to finish first, saw their backward return with its work in flight."""
+    n, cases = len(ceilings), []
+    late = [i for i, (got, most) in enumerate(zip(step.ready_at_call, ceilings)) if got > most]
+    first = late[0] if late else 0
+    cases.append(Case(f"{label}: {what} started as backward made the gradients",
+                      step.in_backward == n and not late and len(step.calls) == n,
+                      f"{step.in_backward} of the {len(step.calls)} collectives were called "
+                      f"before backward returned (expected {n}: {what}, each from a hook); "
+                      + (f"all_reduce #{first + 1} was called once {step.ready_at_call[first]} "
+                         f"of {len(step.ready)} gradients were ready, expected by the time "
+                         f"{ceilings[first]} were" if late else
+                         f"called {_calls_text(step.calls)}")))
+    if step.others_returned is not None:
+        cases.append(Case(f"{label}: the other ranks' backward returned before rank 0 began "
+                          "its own", step.others_returned,
+                          f"rank 0 waited {PROBE_WAIT_S:g} s and another rank's backward had not "
+                          "returned: a hook waits for its all_reduce (a blocking all_reduce, or "
+                          ".wait() in the hook); start it with async_op=True and wait in the "
+                          "finish function"))
+    return cases
+
+
 @exercise_check("naive_ddp", "ranks")
 def check_naive_ddp(namespace: dict) -> list[Case]:
-    """broadcast_parameters + naive_average: equal to DDP, one all-reduce per gradient."""
+    """broadcast_parameters + naive_average: equal to DDP, one all-reduce of each gradient."""
     fns = dict(zip(FUNCTIONS["naive_ddp"], require(namespace, *FUNCTIONS["naive_ddp"])))
+
+    def one_step() -> list[Case]:
+        step = watch_step(lambda m: m, fns["naive_average"], odd_model(), namespace, False)
+        return [*_gradient_cases(step, ODD, "naive_average"), _per_gradient_case(step, ODD)]
+
     version = _build("naive", fns, fns["broadcast_parameters"], 0, "yours")
-    return _trained_cases(version, namespace, same_start=False, all_reduces=_with_gradient())
+    return _safely(ODD, one_step) + _safely(TRAINING, lambda: _trained_cases(
+        version, namespace, same_start=False, all_reduces=_with_gradient()))
 
 
 @exercise_check("flat_ddp", "ranks")
 def check_flat_ddp(namespace: dict) -> list[Case]:
-    """flat_average: equal to DDP with a single all-reduce per step."""
-    fns = {"flat_average": require(namespace, "flat_average")}
-    version = _build("flat", fns, None, 0, "yours")
-    return _trained_cases(version, namespace, same_start=True, all_reduces=1)
+    """flat_average: equal to DDP with a single all-reduce of every gradient's bytes."""
+    flat_average = require(namespace, "flat_average")
+
+    def one_step() -> list[Case]:
+        step = watch_step(lambda m: m, flat_average, odd_model(), namespace, forced=False)
+        size = sum(g.numel() * 4 for g in step.expected.values() if g is not None)
+        one = [(c.op, c.nbytes) for c in step.calls] == [("all_reduce", size)]
+        return [*_gradient_cases(step, ODD, "flat_average"),
+                Case(f"{ODD}: collectives", one,
+                     f"called {_calls_text(step.calls)}; expected one all_reduce of "
+                     f"{_tensor_text(size)}: every gradient (none for a frozen tensor), "
+                     "flattened")]
+
+    version = _build("flat", {"flat_average": flat_average}, None, 0, "yours")
+    return _safely(ODD, one_step) + _safely(TRAINING, lambda: _trained_cases(
+        version, namespace, same_start=True, all_reduces=1))
 
 
 @exercise_check("overlapped_ddp", "ranks")
 def check_overlapped_ddp(namespace: dict) -> list[Case]:
-    """attach_overlap_hooks + finish_overlap: equal to DDP, one all-reduce per gradient."""
+    """attach_overlap_hooks + finish_overlap: equal to DDP, one all-reduce of each gradient,
+    each started from its gradient's hook during backward and still in flight when it ends."""
     fns = dict(zip(FUNCTIONS["overlapped_ddp"],
                    require(namespace, *FUNCTIONS["overlapped_ddp"])))
+
+    def one_step() -> list[Case]:
+        step = watch_step(fns["attach_overlap_hooks"], fns["finish_overlap"], odd_model(),
+                          namespace, forced=True)
+        ceilings = list(range(1, len(step.ready) + 1))  # all_reduce i once gradient i is ready
+        return [*_gradient_cases(step, ODD, "finish_overlap"), _per_gradient_case(step, ODD),
+                *_started_in_backward(step, ODD, ceilings, "one all_reduce per gradient")]
+
     version = _build("overlapped", fns, None, 0, "yours")
-    return _trained_cases(version, namespace, same_start=True, all_reduces=_with_gradient())
+    return _safely(ODD, one_step) + _safely(TRAINING, lambda: _trained_cases(
+        version, namespace, same_start=True, all_reduces=_with_gradient()))
 
 
-CHECK_CAPS_MB = (0.002, 1e-6, 1.0)  # two buckets, one per gradient, all in one
+def _bucket_name_cases(make_buckets: Callable, kit: Callable) -> list[Case]:
+    """The learner's buckets, as parameter names, against the rule's, for every check cap on
+    the small TiedNet and on the one with 5 gradients."""
+    cases = []
+    for label, build in (("", lambda: tied_model(0, **SMALL)), (" (5 gradients)", odd_model)):
+        model = build()
+        names = _names(model)
+        for cap in CHECK_CAPS_MB:
+            got = make_buckets(model, cap)
+            got = None if got is None else [[names.get(id(p), "?") for p in b] for b in got]
+            want = [[names[id(p)] for p in b] for b in kit(model, cap)]
+            cases.append(case(f"make_buckets(model{label}, {_CAP_LABELS.get(cap, f'{cap:g}')})"
+                              ", parameter names", got, want))
+    return cases
+
+
+def _bucket_step_cases(fns: dict, kit: Callable, namespace: dict) -> list[Case]:
+    """One watched step with buckets of 1088 B: their all_reduces in backward's order, of the
+    buckets' sizes, each started by the hook of its last gradient, in flight at the end."""
+    model = odd_model()
+    step = watch_step(lambda m: fns["attach_bucket_hooks"](m, fns["make_buckets"](m, BOUNDARY_MB)),
+                      fns["finish_buckets"], model, namespace, forced=True)
+    names = _names(model)
+    buckets = [[names[id(p)] for p in b] for b in kit(model, BOUNDARY_MB)]
+    sizes = [gradient_bytes(b) for b in kit(model, BOUNDARY_MB)]
+    order = step.ready or [n for b in buckets for n in b]
+    ceilings = [max(order.index(n) for n in b) + 1 for b in buckets]
+    label = f"{ODD}, buckets of 1088 B"
+    got = [(c.op, c.nbytes) for c in step.calls]
+    sized = Case(f"{label}: collectives", got == [("all_reduce", s) for s in sizes],
+                 f"called {_calls_text(step.calls)}; expected one all_reduce per bucket, "
+                 f"last layer first: {', '.join(map(_tensor_text, sizes))}")
+    return [*_gradient_cases(step, label, "finish_buckets"), sized,
+            *_started_in_backward(step, label, ceilings, "one all_reduce per bucket")]
 
 
 @exercise_check("bucketed_ddp", "ranks")
 def check_bucketed_ddp(namespace: dict) -> list[Case]:
-    """make_buckets against DDP's rule for three caps, then training and the all-reduce count."""
+    """make_buckets against DDP's rule for five caps on two models, one watched step (the
+    buckets' all_reduces, in order, started in backward), then training."""
     fns = dict(zip(FUNCTIONS["bucketed_ddp"], require(namespace, *FUNCTIONS["bucketed_ddp"])))
     kit = solution_module("bucketed_ddp").make_buckets
-    model = tied_model(0, **SMALL)
-    names = _names(model)
-    cases = []
-    for cap in CHECK_CAPS_MB:
-        got = fns["make_buckets"](model, cap)
-        got = None if got is None else [[names.get(id(p), "?") for p in b] for b in got]
-        want = [[names[id(p)] for p in b] for b in kit(model, cap)]
-        cases.append(case(f"make_buckets(model, {cap:g}), parameter names", got, want))
-    expected = len(kit(model, CHECK_CAPS_MB[0]))
+    cases = _bucket_name_cases(fns["make_buckets"], kit)
+    cases += _safely(f"{ODD}, buckets of 1088 B", lambda: _bucket_step_cases(fns, kit,
+                                                                               namespace))
+    expected = len(kit(tied_model(0, **SMALL), CHECK_CAPS_MB[0]))
     version = _build("bucketed", fns, None, CHECK_CAPS_MB[0], "yours")
-    return cases + _trained_cases(version, namespace, same_start=True, all_reduces=expected)
+    return cases + _safely(TRAINING, lambda: _trained_cases(
+        version, namespace, same_start=True, all_reduces=expected))
 
 
 # ---------------------------------------------------------------- the cost model
