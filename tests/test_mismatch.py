@@ -88,3 +88,23 @@ def test_a_mismatch_in_a_launched_function_is_named(no_leftovers, kind, expected
     for part in expected:
         assert part in str(e.value)
     assert "Every rank was stopped." in str(e.value)
+
+
+def test_a_group_mismatch_is_named_whichever_rank_is_in_the_subgroup(pool):
+    code = ("g = dist.new_group([0, 1])\nt = torch.ones(4)\n"
+            "dist.all_reduce(t, group=g if rank == 0 else None)")
+    with pytest.raises(dh.CollectiveMismatch) as e:
+        pool.run(code)
+    assert e.value.finding.kind == "group"
+    assert "in ranks [0, 1]" in str(e.value) and "in the world group" in str(e.value)
+
+
+def test_a_mismatch_within_a_learners_group_is_named_after_its_grace(pool):
+    """Not at once (the group may have a shorter timeout of its own, which a lesson shows
+    ending by itself), but long before the cell's 60 s timeout."""
+    code = ("g = dist.new_group([0, 1])\nt = torch.ones(4)\n"
+            "dist.all_reduce(t, group=g) if rank == 0 else dist.broadcast(t, 0, group=g)")
+    with pytest.raises(dh.CollectiveMismatch) as e:
+        pool.run(code)
+    assert e.value.finding.kind == "ops" and e.value.finding.call.group == "ranks [0, 1]"
+    assert "all_reduce #1 float32[4] in ranks [0, 1]" in str(e.value)

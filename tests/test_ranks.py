@@ -250,3 +250,14 @@ def test_ranks_die_with_their_parent(tmp_path):
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(pid_alive(p) for p in pids), "ranks outlived their parent"
+
+
+def test_cells_given_the_same_label_keep_their_own_source(pool):
+    """A batch runner (nbval) may give every cell the same In [N]: each cell still has its own
+    source for tracebacks and inspect (a check reads a learner's function that way)."""
+    pool.run("def f():\n    return 1\n", label="In [1]", first_line=2)
+    pool.run("x = 2", label="In [1]", first_line=2)
+    assert pool.run("import inspect\ninspect.getsource(f)")[0].strip().endswith("return 1")
+    with pytest.raises(dh.RankRaised) as e:
+        pool.run("x = 3\nraise ValueError('named')", label="In [1]", first_line=2)
+    assert 'File "<cell In [1]>", line 3' in str(e.value)

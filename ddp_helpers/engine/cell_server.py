@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import linecache
 import os
+import re
 import sys
 import threading
 import traceback
@@ -42,6 +43,7 @@ from .rank_entry import current_spec, flush, to_cpu
 # because DDP's reducer waits for its bucket all-reduces at the end of backward.
 _COMM_PATHS = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/")
 _CELL = "<cell "
+_LABELS: dict[str, str] = {}  # "<cell 12>" -> "In [5]", for each cell the magic named
 
 
 def serve(rank: int, world_size: int, group: bool, timeout_s: float) -> None:
@@ -111,7 +113,12 @@ def _ready(namespace: dict) -> Ready:
 
 def run_cell(namespace: dict, cell: RunCell) -> bytes:
     """Run one cell; its reply, encoded: Ok(last value, {name: value}) or Error."""
-    filename = f"{_CELL}{cell.label or cell.number}>"  # "<cell In [5]>", as IPython names it
+    # The code runs as "<cell 12>" (the pool's count: unique, which linecache and inspect
+    # need, even where a batch runner gives every cell the same In [N]); messages and
+    # tracebacks show the learner's name for it, "In [5]".
+    filename = f"{_CELL}{cell.number}>"
+    if cell.label:
+        _LABELS[filename] = cell.label
     code = "\n" * (cell.first_line - 1) + cell.code  # lines numbered as the editor shows them
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     try:
@@ -157,8 +164,14 @@ def _cell_traceback(e: BaseException) -> str:
     while tb is not None and not tb.tb_frame.f_code.co_filename.startswith(_CELL):
         tb = tb.tb_next
     if tb is None:  # a SyntaxError: raised before any cell frame ran
-        return "".join(traceback.format_exception_only(type(e), e))
-    return "".join(traceback.format_exception(type(e), e, tb))
+        return _named("".join(traceback.format_exception_only(type(e), e)))
+    return _named("".join(traceback.format_exception(type(e), e, tb)))
+
+
+def _named(text: str) -> str:
+    """A traceback with each cell's file shown by the learner's name: "<cell In [5]>"."""
+    return re.sub(r'"(<cell \d+>)"',
+                  lambda m: f'"<cell {_LABELS[m[1]]}>"' if m[1] in _LABELS else m[0], text)
 
 
 def _answer_questions(control: Channel, main_thread: int) -> None:
@@ -196,8 +209,8 @@ def where(thread_id: int) -> Where:
                  call=calls[-1] if calls else None)
 
 
-def cell_name(filename: str) -> str:
-    """"<cell In [5]>" -> "In [5]"; "<cell 3>" (code run from Python: its number is the
-    pool's count, which the learner never sees) -> "this cell"."""
-    name = filename[len(_CELL):-1]
-    return "this cell" if name.isdigit() else name
+def cell_name(filename: str, labels: dict[str, str] | None = None) -> str:
+    """The learner's name of the cell run as `filename`: "In [5]" where the magic gave that
+    label (in `labels`, else this rank's), "this cell" for code run from Python (its number is
+    the pool's count, which the learner never sees)."""
+    return (_LABELS if labels is None else labels).get(filename, "this cell")

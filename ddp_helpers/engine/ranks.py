@@ -154,6 +154,8 @@ class Ranks:
         targets = check_cell(code, targets, timeout, output, self.nprocs)
         self._ensure_running()
         self.cells_run += 1
+        if label:
+            self.labels[f"<cell {self.cells_run}>"] = label
         replies = self._request(RunCell(self.cells_run, code, tuple(returns or ()), first_line,
                                         label), targets, timeout, output)
         if returns is None:
@@ -176,6 +178,11 @@ class Ranks:
         targets = check_push(values, targets, self.nprocs)
         self._ensure_running()
         self._request(Push(values), targets, self.timeout, self.output)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """"<cell 12>" -> "In [5]": the learner's name of each cell the magic ran here."""
+        return self.__dict__.setdefault("_labels", {})  # also for pools that skip __init__
 
     def collectives(self) -> dict[int, list[Call]]:
         """The collectives and send/recv calls each rank made in the last cell, in order, as
@@ -273,7 +280,7 @@ class Ranks:
         """A call's place as the learner sees it: "In [5], line 4"."""
         path, line = where
         if path.startswith("<cell "):
-            return f"{cell_name(path)}, line {line}"
+            return f"{cell_name(path, self.labels)}, line {line}"
         return f"{shorten_path(path)}, line {line}"
 
     def _drop(self, reason: str, where: dict[int, Where | None], *,

@@ -18,6 +18,7 @@ from .supervisor import Failure, Priority, RankSet
 
 SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arrives within this
 STALL_SECONDS = 3.0  # a rank waiting this long in a collective that cannot complete is stuck
+SUBGROUP_SECONDS = 10.0  # a mismatch within a learner's group: named after this, not at once
 _POLL_SECONDS = 0.25  # the longest the loop sleeps before re-checking deadlines
 
 
@@ -100,9 +101,12 @@ class CellWatch:
         """A definite mismatch, and the ranks it involves have stopped moving (blocked, not
         computing): asked only once the ledgers show one, so a sound cell costs no question."""
         f = self.mismatch()
-        if f is None or f.call.group != "world":
-            # Only the default group's timeout is the kit's (the pool's); a group the learner
-            # made with its own timeout= ends by itself, and a lesson may show just that.
+        if f is None:
+            return False
+        on_world = "world" in (f.call.group, f.other_call and f.other_call.group)
+        if not on_world and time.monotonic() - self.started < SUBGROUP_SECONDS:
+            # The default group's timeout is the kit's (the pool's); a group the learner made
+            # may have a timeout= of its own, shorter, which a lesson may show ending by itself.
             return False
         finished = self.ranks.finished()
         return self.blocked(f.rank) and (f.other in finished or self.blocked(f.other))
