@@ -89,9 +89,9 @@ ZERO1_WRONG = {  # label: (answer, text its FAIL must name)
         MLP + "collectives after optimizer.step(): called no collective; expected one "
               "all_gather of float32[18350]"),
     "broadcasts every slice from rank 0": (
-        edit("zero1", GATHER, "    for r in range(world):\n        if r == rank:\n"
-                              "            gathered[r].copy_(shard.detach())\n"
-                              "        dist.broadcast(gathered[r], src=0)\n"),
+        edit("zero1", "    gathered = [torch.empty_like(shard) for _ in range(world)]\n" + GATHER,
+             "    gathered = [shard.detach().clone() for _ in range(world)]\n"
+             "    for r in range(world):\n        dist.broadcast(gathered[r], src=0)\n"),
         MLP + "parameters after 5 Adam steps, against DDP: at index"),
     "takes the mirrored rank's slice": (
         edit("zero1", "return flat[rank * size:(rank + 1) * size]",

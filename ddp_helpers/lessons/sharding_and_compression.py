@@ -521,9 +521,13 @@ def _zero1_cases(label: str, build, make_shard, zero1_step, rank: int, world_siz
 def _mechanism_cases(named: str, run: dict, before: list, after: list, rank: int,
                      world_size: int, size: int) -> list[Case]:
     """The gradient the optimizer stepped with, and the collectives on either side of it."""
-    cases = [_slice_case(f"{named}: the gradient optimizer.step() saw: this rank's slice of the "
-                         "mean over the ranks", run["grads"][0], run["mean_grad"], rank, size,
-                         RTOL, 1e-7)]
+    label = f"{named}: the gradient optimizer.step() saw: this rank's slice of the mean over " \
+        "the ranks"
+    if not bool(torch.isfinite(run["mean_grad"]).all()):  # nothing to compare it with
+        cases = [Case(label, False, "the model's gradients held NaN or inf in the last step: "
+                                    "zero1_step put non-finite values into the parameters")]
+    else:
+        cases = [_slice_case(label, run["grads"][0], run["mean_grad"], rank, size, RTOL, 1e-7)]
     ok = bool(before) and {c.op for c in before} <= {"reduce_scatter", "all_reduce"}
     cases.append(Case(f"{named}: collectives before optimizer.step()", ok, "" if ok else
                       f"called {_texts(before)}; expected the gradients summed over the "
