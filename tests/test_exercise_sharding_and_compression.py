@@ -70,9 +70,8 @@ ZERO1_WRONG = {  # label: (answer, text its FAIL must name)
     "no sharding: every rank steps the whole vector": (
         NO_SHARDING, MLP + "make_shard(model): this rank's slice: got (55050,), expected (18350,)"),
     "its own Adam over every parameter, the shard ignored": (
-        OWN_ADAM, MLP + "Adam state (bytes) of the optimizer zero1_step is given: exp_avg and "
-                        "exp_avg_sq of this rank's 18350 elements: at index (): got 0, "
-                        "expected 146800"),
+        OWN_ADAM, MLP + "Adam state of the optimizer zero1_step is given: got 0 bytes, expected "
+                        "146,800: exp_avg and exp_avg_sq of this rank's 18350 elements only"),
     "shards that drop the remainder": (
         edit("zero1", "size = -(-flat.numel() // world)", "size = flat.numel() // world"),
         ODD + "make_shard(model): this rank's slice: got (46,), expected (47,)"),

@@ -504,9 +504,10 @@ def _zero1_cases(label: str, build, make_shard, zero1_step, rank: int, world_siz
         first = (str(e).splitlines() or [""])[0]
         return cases + [Case(f"{named}: {ZERO1_STEPS} steps of zero1_step", False,
                              f"raised {type(e).__name__}: {first}")]
-    cases.append(case(f"{named}: Adam state (bytes) of the optimizer zero1_step is given: "
-                      f"exp_avg and exp_avg_sq of this rank's {size} elements",
-                      run["optimizer"], 8 * size))
+    state, want = run["optimizer"], 8 * size  # exp_avg and exp_avg_sq, float32
+    cases.append(Case(f"{named}: Adam state of the optimizer zero1_step is given", state == want,
+                      "" if state == want else f"got {state:,} bytes, expected {want:,}: "
+                      f"exp_avg and exp_avg_sq of this rank's {size} elements only"))
     steps, calls = run["steps"], run["calls"]
     cases.append(case(f"{named}: optimizer.step() calls in one zero1_step", len(steps), 1))
     if len(steps) == 1:
