@@ -19,7 +19,7 @@ import pytest
 
 import ddp_helpers as dh
 from ddp_helpers.engine import auth, served_rank
-from ddp_helpers.engine.listen import Listener
+from ddp_helpers.engine.listen import Attached, Listener
 from ddp_helpers.engine.sockets import Hello, Setup, channel, parse_address, recv_small
 from ddp_helpers.lessons import beyond_one_machine as lesson
 
@@ -135,6 +135,32 @@ def test_torchrun_max_restarts_reattach_as_a_fresh_group(tmp_path, capsys):
     finally:
         pool.stop()
         lesson.agents_ended(agents, timeout=30)
+
+
+def test_the_listener_takes_only_a_fresh_generation_after_a_restartable_group():
+    """The admission rule on its own: after a group whose agents have restarts left, the port
+    stays open for workers that are new processes with restart counts no lower than theirs."""
+    listener = Listener(2, "127.0.0.1", 0, Setup())
+    try:
+        host = socket.gethostname()
+        old = [Hello(r, 2, 0, r, host, 100 + r, restart=1, max_restarts=3) for r in range(2)]
+        listener.previous = old
+        assert "old generation" in listener._why_not(old[1])  # the same process again
+        older = Hello(1, 2, 0, 1, host, 201, restart=0, max_restarts=3)
+        assert "TORCHELASTIC_RESTART_COUNT 0" in listener._why_not(older)
+        # Node 0 counted no failure (it restarted because node 1 did): its count may stay.
+        assert listener._why_not(Hello(0, 2, 0, 0, host, 200, restart=1, max_restarts=3)) is None
+        assert listener._why_not(Hello(1, 2, 0, 1, host, 201, restart=2, max_restarts=3)) is None
+        assert "WORLD_SIZE is 4" in listener._why_not(Hello(1, 4, 0, 1, host, 202, restart=2))
+        listener.attached = {r: Attached(h, None) for r, h in enumerate(old)}
+        listener.take()
+        assert listener.listening  # restarts left on every node: open for the next group
+        spent = [Hello(r, 2, 0, r, host, 300 + r, restart=3, max_restarts=3) for r in range(2)]
+        listener.attached = {r: Attached(h, None) for r, h in enumerate(spent)}
+        listener.take()
+        assert not listener.listening  # no restart left: nobody else may attach
+    finally:
+        listener.shutdown()
 
 
 class _RunsCode:

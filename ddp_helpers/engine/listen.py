@@ -113,6 +113,9 @@ class Listener:
             chan.send(setup)
         except (OSError, ValueError):
             pass  # its death shows up as EOF on the channel
+        with self.changed:
+            if self.full() and restarts_left([a.hello for a in self.attached.values()]) <= 0:
+                self.close()  # every rank is in and none will restart: nobody else may attach
 
     def _why_not(self, hello) -> str | None:
         if not isinstance(hello, Hello):

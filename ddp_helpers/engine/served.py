@@ -303,8 +303,9 @@ class ServedRanks(Ranks):
             self._stopped_because = f"torchrun is restarting the workers: {reason}"
             text = (f"Every rank was stopped ({reason}){_where_text(where)}: the notebook "
                     "closed their connections, so each served rank exited (code 3), and "
-                    f"torchrun restarts the workers (--max-restarts: {left} left on every "
-                    "node). Their variables are gone; the next cell runs on the fresh group.")
+                    "torchrun restarts the workers (each node's agent has at least "
+                    f"{left} of its --max-restarts left). Their variables are gone; the next "
+                    "cell runs on the fresh group.")
         else:
             self._shutdown()
             self._stopped_because = reason
@@ -339,7 +340,9 @@ class ServedRanks(Ranks):
         self._set.drain_output()
         gone = sorted(self._set.exitcodes)
         if gone:
-            self._drop(f"rank {gone[0]} closed its connection between cells", {}, dead=gone)
+            ranks = ", ".join(map(str, gone))
+            self._drop(f"{'rank' if len(gone) == 1 else 'ranks'} {ranks} closed the "
+                       "connection between cells", {}, dead=gone)
 
     def _attach_restarted(self) -> None:
         """Wait for the group torchrun restarted, take it, and say what happened, once."""
@@ -385,12 +388,12 @@ class _Restart:
         before = {h.group_rank: h.restart for h in self.old}
         failed = {h.group_rank for h in new if h.restart > before.get(h.group_rank, 0)}
         by_rank = {h.rank: h for h in self.old}
-        dead = [r for r in self.dead if by_rank[r].group_rank in failed] or list(self.dead)
-        hosts = sorted({by_rank[r].host for r in dead})
-        ranks = ", ".join(str(r) for r in dead)
-        return (f"{'rank' if len(dead) == 1 else 'ranks'} {ranks} on {', '.join(hosts)} "
-                f"(GROUP_RANK {by_rank[dead[0]].group_rank}) had died (its connection closed "
-                "without a reply: killed, out of memory or a crash)")
+        dead = [by_rank[r] for r in self.dead if by_rank[r].group_rank in failed] or \
+            [by_rank[r] for r in self.dead]
+        who = " and ".join(f"rank {h.rank} on {h.host} (GROUP_RANK {h.group_rank}, LOCAL_RANK "
+                           f"{h.local_rank})" for h in dead)
+        return (f"{who} had died (its connection closed without a reply: killed, out of "
+                "memory or a crash)")
 
 
 def _who(h: Hello) -> str:
