@@ -193,7 +193,11 @@ def attach(address: str, token_file: str, seconds: float | None = None
     me = hello()
     if seconds is None:
         seconds = _RECONNECT_SECONDS if me.restart else _CONNECT_SECONDS
-    token = auth.read_token(token_file)
+    try:
+        token = auth.read_token(token_file)
+    except FileNotFoundError:  # not listening yet, or stopped (a pool deletes the file it made)
+        raise SystemExit(f"ddp_helpers.serve: {token_file} does not exist: run `%ranks listen "
+                         "N` in the notebook first (or it stopped listening).") from None
     sock = connect(address, seconds, token_file)
     try:
         auth.answer_challenge(sock, token, seconds=seconds)
