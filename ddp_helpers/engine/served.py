@@ -298,7 +298,8 @@ class ServedRanks(Ranks):
             self._finalizer.detach()
             self._set.shutdown(clean=False)
             self._set = None
-        if left > 0 and self._listener.listening:
+        # The listener may have closed already: the fresh group is in, and has no restart left.
+        if left > 0 and (self._listener.listening or self._listener.full()):
             self._restart = _Restart(reason, tuple(dead), old)
             self._stopped_because = f"torchrun is restarting the workers: {reason}"
             text = (f"Every rank was stopped ({reason}){_where_text(where)}: the notebook "
