@@ -1,7 +1,9 @@
 """Served ranks (`python -m ddp_helpers.serve`, `dh.Ranks.listen`): ranks that torchrun started,
 attached to the notebook over authenticated sockets. Two torchrun agents act as two nodes (c10d
 on loopback); the security cases attack the listening port with junk, a wrong token, a replayed
-handshake and a connection after every rank is in. Real processes, real gloo.
+handshake and a connection after every rank is in; under `torchrun --max-restarts` the
+restarted workers attach again as a fresh group (and a stale worker of the old one cannot).
+Real processes, real gloo.
 
 Where two processes fail together, only what is guaranteed is asserted: the killed rank's
 connection closes at once, while its peer first gets a gloo error (a knock-on, reported after a
