@@ -2,15 +2,22 @@
 and a dist.all_reduce cell against the all-reduce's own time on the ranks; ipyparallel's engines
 and its %%px round trip beside them when ipyparallel is installed (`pip install ipyparallel`);
 and served ranks (two torchrun agents as two "nodes", attached through dh.Ranks.listen): the
-time from listen to ready, and a trivial cell's round trip over the socket.
+time from listen to ready, a trivial cell's round trip over the socket, and, under
+`torchrun --max-restarts`, the time from a killed worker's report to the next cell's answer
+from the group torchrun restarted.
 
-    python -m bench.ranks [--starts 10] [--cells 200] [--served-starts 3]
+    python -m bench.ranks [--starts 10] [--cells 200] [--served-starts 3] [--served-restarts 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import ddp_helpers as dh
 from bench.common import median, timed, write_table
@@ -64,6 +71,54 @@ def served_rows(starts: int, cells: int) -> dict[str, list[float]]:
             "served: trivial cell round trip (socket)": trivial}
 
 
+KILL_RANK_1 = ("import os, signal, time\nif rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+               "time.sleep(60)")
+
+
+def restart_rows(restarts: int) -> dict[str, list[float]]:
+    """Two torchrun agents with --max-restarts: kill rank 1 in a cell, `restarts` times; seconds
+    from the RankDied to the answer of the next cell, which runs on the restarted group."""
+    from ddp_helpers.lessons import beyond_one_machine as lesson
+
+    if restarts < 1:
+        return {}
+    pool = dh.Ranks.listen(2, timeout=60, output="none")
+    agents = _restarting_agents(pool, restarts)
+    seconds = []
+    try:
+        pool.wait_ready(240, progress=False)
+        for _ in range(restarts):
+            try:
+                pool.run(KILL_RANK_1, timeout=120)
+                raise RuntimeError("rank 1 was not killed")
+            except dh.RankDied:
+                t0 = time.perf_counter()
+            pool.run("t = torch.ones(1)\ndist.all_reduce(t)")
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        pool.stop()
+        lesson.agents_ended(agents)
+    return {"served: torchrun restart, death to next cell": seconds}
+
+
+def _restarting_agents(pool, max_restarts: int) -> list[subprocess.Popen]:
+    """lesson.served_agents's two loopback "nodes", with --max-restarts."""
+    from ddp_helpers.lessons import beyond_one_machine as lesson
+
+    logs, endpoint = Path(tempfile.mkdtemp(prefix="bench_restarts_")), f"127.0.0.1:{dh.free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+           "1", "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           endpoint, "--rdzv-id", "bench", "-m", "ddp_helpers.serve", "--connect", pool.address,
+           "--token-file", pool.token_file]
+    agents = []
+    for node in range(2):
+        with open(logs / f"agent{node}.log", "w") as log:
+            agents.append(subprocess.Popen(cmd, cwd=lesson.ROOT, stdout=log,
+                                           stderr=subprocess.STDOUT, env=dict(os.environ),
+                                           start_new_session=True))
+    return agents
+
+
 def ipyparallel_rows(cells: int) -> dict[str, list[float]]:
     """The same figures for ipyparallel's engines (%%px runs view.execute(cell, block=True))."""
     try:
@@ -91,9 +146,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--starts", type=int, default=10, help="timed warm starts")
     p.add_argument("--cells", type=int, default=200, help="timed cells per row")
     p.add_argument("--served-starts", type=int, default=3, help="timed torchrun attaches")
+    p.add_argument("--served-restarts", type=int, default=3, help="timed torchrun restarts")
     a = p.parse_args(argv)
     rows = {**ranks_rows(a.starts, a.cells), **served_rows(a.served_starts, a.cells),
-            **ipyparallel_rows(a.cells)}
+            **restart_rows(a.served_restarts), **ipyparallel_rows(a.cells)}
     medians = {k: median(v) for k, v in rows.items()}
     table = [[name, str(len(rows[name])), _ms(m)] for name, m in medians.items()]
     overhead = (medians["dh.Ranks: dist.all_reduce(t) cell"]
@@ -107,6 +163,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                  f"{socket_cell / pipe_cell:.1f}x the pipe's; attaching two torchrun nodes takes "
                  f"{medians['served: listen to ready, 2 torchrun nodes']:.1f} s from listen to "
                  "ready (torchrun's rendezvous and a fresh Python + torch per worker).")
+    if "served: torchrun restart, death to next cell" in medians:
+        notes.append("Under torchrun --max-restarts, the cell after a killed worker's report "
+                     "answered from the restarted group "
+                     f"{medians['served: torchrun restart, death to next cell']:.1f} s later "
+                     "(the agents stop and restart every worker: a fresh Python + torch each).")
     if "ipyparallel: trivial %%px round trip" in medians:
         px, ours = (medians["ipyparallel: trivial %%px round trip"],
                     medians["dh.Ranks: trivial cell round trip"])

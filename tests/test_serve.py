@@ -1,7 +1,9 @@
 """Served ranks (`python -m ddp_helpers.serve`, `dh.Ranks.listen`): ranks that torchrun started,
 attached to the notebook over authenticated sockets. Two torchrun agents act as two nodes (c10d
 on loopback); the security cases attack the listening port with junk, a wrong token, a replayed
-handshake and a connection after every rank is in. Real processes, real gloo.
+handshake and a connection after every rank is in; under `torchrun --max-restarts` the
+restarted workers attach again as a fresh group (and a stale worker of the old one cannot).
+Real processes, real gloo.
 
 Where two processes fail together, only what is guaranteed is asserted: the killed rank's
 connection closes at once, while its peer first gets a gloo error (a knock-on, reported after a
@@ -9,16 +11,18 @@ death) and is stopped by the pool, so the killed rank is the one named."""
 
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 import ddp_helpers as dh
 from ddp_helpers.engine import auth, served_rank
-from ddp_helpers.engine.listen import Listener
-from ddp_helpers.engine.sockets import Setup
+from ddp_helpers.engine.listen import Attached, Listener
+from ddp_helpers.engine.sockets import Hello, Setup, channel, parse_address, recv_small
 from ddp_helpers.lessons import beyond_one_machine as lesson
 
 HANG_GUARD = 240  # seconds: only stops a hung run, never a pass/fail criterion
@@ -58,6 +62,107 @@ def test_two_torchrun_nodes_attach_run_collectives_and_report_a_killed_worker(tm
     finally:
         pool.stop()
         lesson.agents_ended(agents, timeout=30)
+
+
+def _restarting_agents(pool, log_dir, max_restarts: int) -> list[subprocess.Popen]:
+    """Two torchrun agents (two "nodes" of one worker, c10d on loopback) with --max-restarts."""
+    endpoint = f"127.0.0.1:{dh.free_port()}"
+    agents = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "restarts",
+               "-m", "ddp_helpers.serve", "--connect", pool.address,
+               "--token-file", pool.token_file]
+        with open(log_dir / f"agent{node}.log", "w") as log:
+            agents.append(subprocess.Popen(cmd, cwd=lesson.ROOT, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+    return agents
+
+
+def _hello_from(pool, hello: Hello):
+    """Attach as `hello` with the right token; the listener's answer (a Setup or Refused)."""
+    host, port = parse_address(pool.address)
+    sock = socket.create_connection((host, port), timeout=10)
+    auth.answer_challenge(sock, auth.read_token(pool.token_file), seconds=10)
+    chan = channel(sock)
+    try:
+        chan.send(hello)
+        return recv_small(chan, 10)
+    finally:
+        chan.transport.close()
+
+
+def test_torchrun_max_restarts_reattach_as_a_fresh_group(tmp_path, capsys):
+    """torchrun --max-restarts 2: a worker killed in a cell, then one killed between cells;
+    each time torchrun restarts every worker, the next cell says so once and runs on the
+    fresh group, and a stale worker of the old group cannot attach."""
+    pool = dh.Ranks.listen(2, timeout=60)
+    agents = _restarting_agents(pool, tmp_path, max_restarts=2)
+    try:
+        pool.wait_ready(HANG_GUARD, progress=False)
+        old = pool.hosts()
+        pool.run("kept = 7", output="none")
+        assert "torchrun restarts so far: 0 (--max-restarts 2)" in str(pool.status())
+        with pytest.raises(dh.RankDied) as info:  # killed in a cell (see the first test)
+            pool.run("import os, signal, time\nif rank == 1:\n    os.kill(os.getpid(), "
+                     "signal.SIGKILL)\ntime.sleep(60)", timeout=HANG_GUARD, output="none")
+        assert info.value.rank == 1 and "torchrun restarts the workers" in str(info.value)
+        # A worker of the old group (its pid) is refused, though it holds the token.
+        stale = _hello_from(pool, old[1])
+        assert "old generation" in stale.reason
+        capsys.readouterr()
+        cell = ("t = torch.tensor([rank + 1.0])\ndist.all_reduce(t)\n"
+                "(t.item(), 'kept' in globals(), __import__('os').getpid())")
+        first = pool.run(cell, timeout=HANG_GUARD, output="none")
+        said = capsys.readouterr().out
+        assert "torchrun restarted the workers (restart 1): rank 1 on " in said
+        assert "the 2 ranks are a fresh group" in said
+        assert [f[:2] for f in first] == [(3.0, False), (3.0, False)]  # a group; kept is gone
+        assert not {f[2] for f in first} & {h.pid for h in old}  # new processes
+        assert "torchrun restarts so far: 1" in str(pool.status())
+        assert pool.run("kept = 8", output="none") == [None, None]  # and it goes on working
+        # Killed between cells: the next cell notices before it runs anything.
+        os.kill(first[1][2], signal.SIGKILL)
+        deadline = time.monotonic() + HANG_GUARD
+        while pool.connected() < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)  # torchrun restarted both workers; they attached again
+        second = pool.run(cell, timeout=HANG_GUARD, output="none")
+        said = capsys.readouterr().out
+        assert "torchrun restarted the workers (restart 2): " in said and "had died" in said
+        assert [f[:2] for f in second] == [(3.0, False), (3.0, False)]
+        pool.stop()
+        assert lesson.agents_ended(agents, timeout=HANG_GUARD) == [0, 0]  # clean, nothing left
+        assert not os.path.exists(pool.token_file)
+    finally:
+        pool.stop()
+        lesson.agents_ended(agents, timeout=30)
+
+
+def test_the_listener_takes_only_a_fresh_generation_after_a_restartable_group():
+    """The admission rule on its own: after a group whose agents have restarts left, the port
+    stays open for workers that are new processes with restart counts no lower than theirs."""
+    listener = Listener(2, "127.0.0.1", 0, Setup())
+    try:
+        host = socket.gethostname()
+        old = [Hello(r, 2, 0, r, host, 100 + r, restart=1, max_restarts=3) for r in range(2)]
+        listener.previous = old
+        assert "old generation" in listener._why_not(old[1])  # the same process again
+        older = Hello(1, 2, 0, 1, host, 201, restart=0, max_restarts=3)
+        assert "TORCHELASTIC_RESTART_COUNT 0" in listener._why_not(older)
+        # Node 0 counted no failure (it restarted because node 1 did): its count may stay.
+        assert listener._why_not(Hello(0, 2, 0, 0, host, 200, restart=1, max_restarts=3)) is None
+        assert listener._why_not(Hello(1, 2, 0, 1, host, 201, restart=2, max_restarts=3)) is None
+        assert "WORLD_SIZE is 4" in listener._why_not(Hello(1, 4, 0, 1, host, 202, restart=2))
+        listener.attached = {r: Attached(h, None) for r, h in enumerate(old)}
+        listener.take()
+        assert listener.listening  # restarts left on every node: open for the next group
+        spent = [Hello(r, 2, 0, r, host, 300 + r, restart=3, max_restarts=3) for r in range(2)]
+        listener.attached = {r: Attached(h, None) for r, h in enumerate(spent)}
+        listener.take()
+        assert not listener.listening  # no restart left: nobody else may attach
+    finally:
+        listener.shutdown()
 
 
 class _RunsCode:

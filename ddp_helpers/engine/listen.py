@@ -2,21 +2,29 @@
 file, and a thread that lets in exactly the ranks the pool waits for.
 
 Every connection is challenged (auth.py) before anything it sends is read as a message; one
-that fails is closed, and nothing it sent was unpickled or run. Once every rank is in, the
-socket closes: nobody else (a second notebook, a stray worker) can attach to these ranks, and
-the ranks themselves listen on nothing.
+that fails is closed, and nothing it sent was unpickled or run. Once every rank is in and the
+pool takes them, the socket closes: nobody else (a second notebook, a stray worker) can attach
+to these ranks, and the ranks themselves listen on nothing.
+
+Unless torchrun may restart them (`--max-restarts`, in each rank's Hello): then the socket
+stays open for the next generation only, a complete group of the same world size whose
+workers are new processes (a connection from a worker of the taken group is refused) with
+restart counts no lower than the taken group's. The pool takes that group once it finds the
+old one dead; until then it waits here, so no worker of it times out while the notebook idles.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import secrets
 import socket
 import threading
 
 from . import auth
 from .protocol import Channel
-from .sockets import Hello, Refused, Setup, channel, recv_small
+from .sockets import Hello, Refused, Setup, channel, recv_small, restarts_left
 
 _BACKLOG = 64
 
@@ -45,7 +53,9 @@ class Listener:
         self.token = auth.read_token(self.token_file)
         self.sock = socket.create_server((host, port), backlog=_BACKLOG, reuse_port=False)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.attached: dict[int, Attached] = {}
+        self.attached: dict[int, Attached] = {}  # the generation being gathered
+        self.previous: list[Hello] = []  # the generation the pool took last
+        self.generation = secrets.token_hex(8)  # names the group being gathered (in Setup)
         self.refusals = 0
         self.notes: list[str] = []
         self.changed = threading.Condition()
@@ -92,6 +102,7 @@ class Listener:
             reason = self._why_not(hello)
             if reason is None:
                 self.attached[hello.rank] = Attached(hello, chan)
+                setup = dataclasses.replace(self.setup, generation=self.generation)
             self.changed.notify_all()
         if reason is not None:
             with contextlib.suppress(OSError, ValueError):
@@ -99,11 +110,12 @@ class Listener:
             self._refuse(chan, f"{peer[0]}: {reason}")
             return
         try:
-            chan.send(self.setup)
+            chan.send(setup)
         except (OSError, ValueError):
             pass  # its death shows up as EOF on the channel
-        if self.full():
-            self.close()  # every rank is in: nobody else may attach
+        with self.changed:
+            if self.full() and restarts_left([a.hello for a in self.attached.values()]) <= 0:
+                self.close()  # every rank is in and none will restart: nobody else may attach
 
     def _why_not(self, hello) -> str | None:
         if not isinstance(hello, Hello):
@@ -115,6 +127,18 @@ class Listener:
                     f"{self.nprocs} ranks")
         if not 0 <= hello.rank < self.nprocs or hello.rank in self.attached:
             return f"rank {hello.rank} is already attached (or out of range)"
+        return self._stale(hello)
+
+    def _stale(self, hello: Hello) -> str | None:
+        """Why `hello` cannot be of the group torchrun restarts after the taken one (None: it
+        can be)."""
+        if any((old.host, old.pid) == (hello.host, hello.pid) for old in self.previous):
+            return (f"rank {hello.rank} (pid {hello.pid} on {hello.host}) is a worker of the "
+                    "old generation: only the fresh group torchrun restarts may attach")
+        counts = [old.restart for old in self.previous if old.group_rank == hello.group_rank]
+        if counts and hello.restart < max(counts):
+            return (f"rank {hello.rank} has TORCHELASTIC_RESTART_COUNT {hello.restart}, older than "
+                    f"the attached group's {max(counts)}: a worker of an old generation")
         return None
 
     def _refuse(self, conn, note: str) -> None:
@@ -132,6 +156,21 @@ class Listener:
         with self.changed:
             return self.changed.wait_for(lambda: len(self.attached) >= until_count, seconds)
 
+    def take(self) -> dict[int, Attached]:
+        """Hand over the complete group; listen on for the one torchrun would restart (only
+        while every node's agent has a restart left), or else close."""
+        with self.changed:
+            group, self.attached = self.attached, {}
+            self.previous = [a.hello for a in group.values()]
+            self.generation = secrets.token_hex(8)
+            if restarts_left(self.previous) <= 0:
+                self.close()
+        return group
+
+    @property
+    def listening(self) -> bool:
+        return not self._closed
+
     def close(self) -> None:
         """Stop listening (the accept thread ends)."""
         self._closed = True
@@ -141,8 +180,14 @@ class Listener:
             self.sock.close()
 
     def shutdown(self) -> None:
-        """Stop listening and delete the token file it made."""
+        """Stop listening, drop the ranks gathered but not taken (they exit), and delete the
+        token file it made (a restarted worker that finds it gone gives up at once)."""
         self.close()
+        with self.changed:
+            gathered, self.attached = self.attached, {}
+        for a in gathered.values():
+            with contextlib.suppress(OSError):
+                a.chan.close()
         self.remove_token()
 
     def remove_token(self) -> None:

@@ -39,7 +39,8 @@ def listen_line(line: str) -> ServedRanks:
     pool (`pool = %ranks listen 4` keeps it for pool.address, pool.token_file)."""
     args = _parser().parse_args(shlex.split(line, comments=True))
     old = ranks.current()
-    if old is not None and old.running:
+    # A served pool waiting for torchrun's restart is not running, but still listens: stop it.
+    if old is not None and (old.running or isinstance(old, ServedRanks)):
         old.stop()
     pool = ServedRanks(args.nprocs, args.host, args.port, args.timeout, backend=args.backend,
                        token_file=args.token_file)

@@ -5,7 +5,9 @@ same pool as `dh.Ranks`, over sockets instead of pipes.
 output, collects replies and notices deaths, so that the cell loop, the failure rules and the
 error texts of ranks.py and watch.py apply unchanged. What differs is what a death looks like
 (the connection closes: the kit did not start the process, so it has no exit code) and what
-comes after one: the kit cannot start served ranks again; torchrun (or a new job) must.
+comes after one: the kit cannot start served ranks again; torchrun (or a new job) must. Under
+`torchrun --max-restarts K` it does: the pool keeps listening, takes the fresh group on the
+next cell, and says once that the old one's variables are gone.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .options import check_pool
 from .protocol import AskWhere, Command, Error, Ready, Reply, Stop, Unreadable, Where
 from .ranks import RankRow, Ranks, RanksStatus
 from .relay import OutputRelay
-from .sockets import Hello, Output, Setup
+from .sockets import Hello, Output, Setup, restarts_left
 from .supervisor import Failure, Priority, ReplyPolicy
 from .watch import Outcome
 
@@ -157,6 +159,8 @@ class ServedRanks(Ranks):
         self._info: list[Ready] = []
         self.cells_run = 0
         self._stopped_because = "not attached yet: call .wait_ready()"
+        self.restarts = 0  # torchrun restarts so far: the highest TORCHELASTIC_RESTART_COUNT
+        self._restart: _Restart | None = None  # set while torchrun restarts the workers
         self._listener = Listener(nprocs, host, port, Setup(self._env, timeout, group),
                                   token_file)
         self._finalizer = None  # set once attached: stops the ranks if the pool is dropped
@@ -203,24 +207,33 @@ class ServedRanks(Ranks):
         if self._set is not None:
             return
         deadline = time.monotonic() + timeout
+        if not self._gather(deadline, progress):
+            raise LaunchRefused(
+                f"{self.connected()} of {self.nprocs} ranks connected within {timeout:g} s "
+                f"({self.refusals} connection(s) refused). Start them with:\n"
+                + self.command_lines()["torchrun"])
+        self._adopt(deadline)
+
+    def _gather(self, deadline: float, progress: bool) -> bool:
+        """Wait until a whole group is in the listener; False if `deadline` passes first."""
         shown = -1
         while not self._listener.full():
             n = self.connected()
             if progress and n != shown:
                 print(f"{n} of {self.nprocs} ranks connected", flush=True)
                 shown = n
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LaunchRefused(
-                    f"{n} of {self.nprocs} ranks connected within {timeout:g} s "
-                    f"({self.refusals} connection(s) refused). Start them with:\n"
-                    + self.command_lines()["torchrun"])
-            self._listener.wait(n + 1, min(left, 1.0))
+            if time.monotonic() >= deadline:
+                return False
+            self._listener.wait(n + 1, min(deadline - time.monotonic(), 1.0))
         if progress:
             print(f"{self.nprocs} of {self.nprocs} ranks connected", flush=True)
-        self._listener.close()
-        self._set = ServedSet(self.nprocs, dict(self._listener.attached), self.output)
+        return True
+
+    def _adopt(self, deadline: float) -> None:
+        """Take the gathered group from the listener and wait for each rank's Ready."""
+        self._set = ServedSet(self.nprocs, self._listener.take(), self.output)
         self._finalizer = weakref.finalize(self, self._set.shutdown)
+        self.restarts = max(h.restart for h in self._set.hellos.values())
         self._info = self._request(None, list(range(self.nprocs)), max(
             deadline - time.monotonic(), 60), self.output, starting=True)
         self._stopped_because = None
@@ -244,13 +257,13 @@ class ServedRanks(Ranks):
         """As Ranks.status, plus each rank's host, node (GROUP_RANK) and LOCAL_RANK."""
         if self._set is None:
             return ServedStatus(self.nprocs, False, self.cells_run, [],
-                                self._stopped_because, hellos=[])
+                                self._stopped_because, hellos=[], restarts=self.restarts)
         info = self._info or [None] * self.nprocs
         rows = [RankRow(r, self._set.alive(r), h.pid, ready and ready.device,
                         ready and ready.backend)
                 for (r, h), ready in zip(sorted(self._set.hellos.items()), info)]
         return ServedStatus(self.nprocs, True, self.cells_run, rows, None,
-                            hellos=self.hosts())
+                            hellos=self.hosts(), restarts=self.restarts)
 
     def _failed(self, outcome, watch, timeout, starting):
         failure = self._set.failure()
@@ -260,7 +273,7 @@ class ServedRanks(Ranks):
         last = self._set.relay.last_line(r)
         where = watch.where_all()
         consequence = self._drop(f"rank {r} on {hello.host} died, and a group cannot go on "
-                                 "without a rank", where)
+                                 "without a rank", where, dead=(r,))
         text = (f"rank {r} of {self.nprocs} ({_who(hello)}) closed its connection without a "
                 "reply: its process died (killed, out of memory, a crash) or its node went "
                 f"away. {consequence}" + (f"\nIts last line of output: {last}" if last else ""))
@@ -271,32 +284,117 @@ class ServedRanks(Ranks):
             self._finalizer.detach()
             self._set.shutdown()
         self._set = None
-        self._listener.close()
-        self._listener.remove_token()
+        self._restart = None
+        self._listener.shutdown()
 
-    def _drop(self, reason, where, *, interrupted=False) -> str:
-        if self._set is not None:
-            self._set.shutdown(clean=False)
-        self._shutdown()
-        self._stopped_because = reason
+    def _drop(self, reason, where, *, interrupted=False, polite=True, dead=()) -> str:
+        """Close every rank's connection after a failure (each exits, code 3). With restarts
+        left, torchrun starts a fresh group, which the listener is already waiting for."""
         from .ranks import _where_text
 
-        text = (f"Every rank was stopped ({reason}){_where_text(where)}: the notebook closed "
-                "their connections, so each served rank exited (code 3) and its torchrun agent "
-                "ended. Their variables are gone; `%ranks listen N` and start the torchrun "
-                "jobs again for a fresh group.")
+        old = self.hosts()
+        left = restarts_left(old)
+        if self._set is not None:
+            self._finalizer.detach()
+            self._set.shutdown(clean=False)
+            self._set = None
+        # The listener may have closed already: the fresh group is in, and has no restart left.
+        if left > 0 and (self._listener.listening or self._listener.full()):
+            self._restart = _Restart(reason, tuple(dead), old)
+            self._stopped_because = f"torchrun is restarting the workers: {reason}"
+            text = (f"Every rank was stopped ({reason}){_where_text(where)}: the notebook "
+                    "closed their connections, so each served rank exited (code 3), and "
+                    "torchrun restarts the workers (each node's agent has at least "
+                    f"{left} of its --max-restarts left). Their variables are gone; the next "
+                    "cell runs on the fresh group.")
+        else:
+            self._shutdown()
+            self._stopped_because = reason
+            text = (f"Every rank was stopped ({reason}){_where_text(where)}: the notebook "
+                    "closed their connections, so each served rank exited (code 3) and its "
+                    "torchrun agent ended. Their variables are gone; `%ranks listen N` and "
+                    "start the torchrun jobs again for a fresh group.")
         if interrupted:
             print(f"ddp_helpers: {text}", flush=True)
         return text
 
     def _ensure_running(self) -> None:
+        if self._set is not None and self._restart is None:
+            self._notice_restart()
         if self._set is not None:
+            return
+        if self._restart is not None:
+            self._attach_restarted()
             return
         if self._stopped_because and self._stopped_because.startswith("not attached"):
             self.wait_ready()
             return
         raise LaunchRefused(f"these served ranks were stopped ({self._stopped_because}). "
                             "`%ranks listen N` and start the torchrun jobs again.")
+
+    def _notice_restart(self) -> None:
+        """Before a cell: ranks whose connections closed since the last one, while torchrun
+        may restart them (its agents restart every worker when one fails): drop the group and
+        let the cell run on the fresh one. Without restarts the cell reports the death."""
+        if restarts_left(self.hosts()) <= 0:
+            return
+        self._set.drain_output()
+        gone = sorted(self._set.exitcodes)
+        if gone:
+            ranks = ", ".join(map(str, gone))
+            self._drop(f"{'rank' if len(gone) == 1 else 'ranks'} {ranks} closed the "
+                       "connection between cells", {}, dead=gone)
+
+    def _attach_restarted(self) -> None:
+        """Wait for the group torchrun restarted, take it, and say what happened, once."""
+        restart = self._restart
+        seconds = max(self.timeout, _RESTART_SECONDS)
+        deadline = time.monotonic() + seconds
+        if not self._gather(deadline, progress=False):
+            n = self.connected()
+            self._shutdown()
+            self._stopped_because = "torchrun did not restart the workers"
+            raise LaunchRefused(
+                f"torchrun did not restart the workers within {seconds:g} s ({n} of "
+                f"{self.nprocs} reconnected; before: {restart.reason}): its agents may have "
+                "run out of restarts or ended. `%ranks listen N` and start the torchrun jobs "
+                "again.")
+        self._restart = None
+        self._adopt(deadline)
+        print(restart.message(self.hosts(), self.nprocs), flush=True)
+
+
+_RESTART_SECONDS = 120.0  # at least this long for torchrun to restart and reattach the workers
+
+
+class _Restart:
+    """What the notebook knows while torchrun restarts the workers: why the old group ended,
+    which ranks died (if known) and the old group's Hellos."""
+
+    def __init__(self, reason: str, dead: tuple[int, ...], old: list[Hello]):
+        self.reason, self.dead, self.old = reason, dead, old
+
+    def message(self, new: list[Hello], nprocs: int) -> str:
+        """The one message the next cell prints: which restart, what died, what is gone."""
+        count = max(h.restart for h in new)
+        return (f"torchrun restarted the workers (restart {count}): {self._cause(new)}; the "
+                f"{nprocs} ranks are a fresh group: variables and models defined in earlier "
+                "cells are gone.")
+
+    def _cause(self, new: list[Hello]) -> str:
+        if not self.dead:
+            return f"the notebook had stopped every rank ({self.reason})"
+        # The nodes whose agents counted a restart are where workers failed (a node that
+        # restarted only because another did keeps its count): name their closed ranks.
+        before = {h.group_rank: h.restart for h in self.old}
+        failed = {h.group_rank for h in new if h.restart > before.get(h.group_rank, 0)}
+        by_rank = {h.rank: h for h in self.old}
+        dead = [by_rank[r] for r in self.dead if by_rank[r].group_rank in failed] or \
+            [by_rank[r] for r in self.dead]
+        who = " and ".join(f"rank {h.rank} on {h.host} (GROUP_RANK {h.group_rank}, LOCAL_RANK "
+                           f"{h.local_rank})" for h in dead)
+        return (f"{who} had died (its connection closed without a reply: killed, out of "
+                "memory or a crash)")
 
 
 def _who(h: Hello) -> str:
@@ -306,14 +404,17 @@ def _who(h: Hello) -> str:
 class ServedStatus(RanksStatus):
     """RanksStatus with each served rank's host, node and local rank."""
 
-    def __init__(self, *args, hellos: list[Hello]):
+    def __init__(self, *args, hellos: list[Hello], restarts: int = 0):
         super().__init__(*args)
-        self.hellos = hellos
+        self.hellos, self.restarts = hellos, restarts
 
     def __str__(self) -> str:
         if not self.running:
             return f"{self.nprocs} served ranks, not running ({self.stopped_because or 'stopped'})"
         head = f"{self.nprocs} served ranks attached, {self.cells_run} cells run"
+        most = max((h.max_restarts for h in self.hellos), default=0)
+        if most:
+            head += f", torchrun restarts so far: {self.restarts} (--max-restarts {most})"
         rows = [f"  rank {r.rank}: {'alive' if r.alive else 'DEAD'}, host {h.host}, GROUP_RANK "
                 f"{h.group_rank}, LOCAL_RANK {h.local_rank}, pid {h.pid}, device {r.device}"
                 for r, h in zip(self.ranks, self.hellos)]

@@ -11,8 +11,13 @@ does, and then runs the notebook's cells exactly as a rank the kit forked does.
 
 It exits when the notebook says stop (`%ranks stop`: exit code 0, so torchrun ends cleanly)
 or, with exit code 3, when the connection closes without a stop (the kernel died, or the
-notebook dropped the group after a failure): torchrun then ends (or, with --max-restarts,
-starts a fresh group), so nothing is left behind.
+notebook dropped the group after a failure): torchrun then ends, so nothing is left behind.
+
+With `torchrun --max-restarts K`, a failed worker makes its agent stop all its local workers,
+meet the other agents again (they stop theirs too) and start every worker afresh, with
+TORCHELASTIC_RESTART_COUNT one higher on the agents that saw the failure. The new workers
+attach to the same address with the same token; the notebook's pool takes them as a fresh
+group (its port stays open for exactly that while restarts are left) and says so.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ from .sockets import Hello, Output, Refused, Setup, channel, parse_address, recv
 
 _GONE_EXIT = 3  # the exit code of a rank whose notebook left without a Stop
 _CONNECT_SECONDS = 120.0  # how long a worker retries while the notebook is not listening yet
+# A worker that torchrun restarted finds the notebook already listening for it (the pool keeps
+# its port open while restarts are left); if not, the notebook is gone: give up soon, so that
+# a dead kernel's torchrun jobs end instead of restarting workers that wait minutes each.
+_RECONNECT_SECONDS = 15.0
 
 
 class Link:
@@ -122,7 +131,8 @@ def _notebook_gone() -> None:
     group after a failure): nothing will drive this rank again. Exit now, even from inside a
     collective, and with a failure code: a worker that exited 0 would keep its torchrun agent
     waiting (up to 300 s) in the exit barrier for a node that failed; this way every agent
-    ends, or, with --max-restarts, starts a fresh group that attaches again."""
+    ends, or, with --max-restarts, restarts all its workers: a fresh group that attaches
+    again, which the notebook's pool is listening for."""
     try:
         print("ddp_helpers.serve: the notebook closed the connection; exiting", file=sys.stderr,
               flush=True)
@@ -130,14 +140,18 @@ def _notebook_gone() -> None:
         os._exit(_GONE_EXIT)
 
 
-def connect(address: str, seconds: float) -> socket.socket:
-    """Connect to the notebook, retrying while it is not listening yet."""
+def connect(address: str, seconds: float, token_file: str | None = None) -> socket.socket:
+    """Connect to the notebook, retrying while it is not listening yet (and while its token
+    file is there: a stopped pool deletes the file it made)."""
     host, port = parse_address(address)
     deadline = time.monotonic() + seconds
     while True:
         try:
             return socket.create_connection((host, port), timeout=10)
         except OSError as e:
+            if token_file is not None and not os.path.exists(token_file):
+                raise SystemExit(f"ddp_helpers.serve: {token_file} is gone: the notebook "
+                                 "stopped listening.") from None
             if time.monotonic() > deadline:
                 raise SystemExit(f"ddp_helpers.serve: cannot reach the notebook at {address}: "
                                  f"{e}. Run `%ranks listen N` there first.") from None
@@ -152,7 +166,8 @@ def hello() -> Hello:
                  local_rank=int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0))),
                  group_rank=int(env.get("GROUP_RANK", env.get("SLURM_NODEID", 0))),
                  host=socket.gethostname(), pid=os.getpid(),
-                 restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+                 restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                 max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)))
 
 
 def _capture_output() -> tuple[dict[str, int], dict[str, int]]:
@@ -172,17 +187,23 @@ def _capture_output() -> tuple[dict[str, int], dict[str, int]]:
     return outputs, copies
 
 
-def attach(address: str, token_file: str, seconds: float = _CONNECT_SECONDS
+def attach(address: str, token_file: str, seconds: float | None = None
            ) -> tuple[Channel, Hello, Setup]:
     """Connect, prove the token, say Hello, and get the notebook's Setup (or exit, refused)."""
-    token = auth.read_token(token_file)
-    sock = connect(address, seconds)
+    me = hello()
+    if seconds is None:
+        seconds = _RECONNECT_SECONDS if me.restart else _CONNECT_SECONDS
+    try:
+        token = auth.read_token(token_file)
+    except FileNotFoundError:  # not listening yet, or stopped (a pool deletes the file it made)
+        raise SystemExit(f"ddp_helpers.serve: {token_file} does not exist: run `%ranks listen "
+                         "N` in the notebook first (or it stopped listening).") from None
+    sock = connect(address, seconds, token_file)
     try:
         auth.answer_challenge(sock, token, seconds=seconds)
     except auth.AuthError as e:
         raise SystemExit(f"ddp_helpers.serve: {address}: {e}") from None
     chan = channel(sock)
-    me = hello()
     chan.send(me)
     answer = recv_small(chan, seconds)
     if isinstance(answer, Refused):
@@ -206,6 +227,8 @@ def serve(address: str, token_file: str) -> None:
     if "SLURM_NTASKS_PER_NODE" in os.environ:
         os.environ.setdefault("LOCAL_WORLD_SIZE",
                               os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0])
+    if setup.group:
+        _own_rendezvous(me, setup.generation, setup.timeout)
     outputs, copies = _capture_output()
     link = Link(chan, outputs, copies)
     threading.Thread(target=link.forward_output, name="ddp_helpers-output", daemon=True).start()
@@ -231,6 +254,37 @@ def serve(address: str, token_file: str) -> None:
         with link.lock:
             link._forward_pending()
         link.closed = True
+
+
+def _own_rendezvous(me: Hello, generation: str, timeout: float) -> None:
+    """Give this group a store of its own, so that a restarted group never meets its
+    predecessor's keys.
+
+    torchrun's agents keep one TCPStore (at MASTER_ADDR:MASTER_PORT) for every restart of a
+    job, and env:// puts each group's keys into it under the same names; an agent that counted
+    no failure restarts its workers later than the one that did (when it sees the other node
+    waiting), so a new rank can read an address its peer's old process left there and fail to
+    connect. Rank 0 instead picks a free port on its node (MASTER_ADDR) and posts it under a
+    key named for this generation (the notebook's Setup gives every rank of one group the
+    same fresh name); env:// then meets there, on a store that rank 0 hosts."""
+    if not generation or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return  # no agent's store (srun alone, or a store made afresh per round): no old keys
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    agent = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                     is_master=False, timeout=timedelta(seconds=timeout))
+    key = f"ddp_helpers/served/{generation}/master_port"
+    if me.rank == 0:
+        with socket.socket() as s:  # a free port, as dh.free_port finds one
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        agent.set(key, str(port))
+    else:
+        port = int(agent.get(key))
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts this store, not the agent
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,15 @@ class Hello:
     group_rank: int  # the node's index among torchrun's agents (GROUP_RANK)
     host: str
     pid: int
-    restart: int = 0  # TORCHELASTIC_RESTART_COUNT: how often torchrun restarted this group
+    restart: int = 0  # TORCHELASTIC_RESTART_COUNT: how often this node's agent restarted it
+    max_restarts: int = 0  # TORCHELASTIC_MAX_RESTARTS: torchrun's --max-restarts (0: none)
+
+
+def restarts_left(hellos) -> int:
+    """How many more times torchrun is sure to restart this group: the fewest any node's agent
+    has left (an agent with none left ends the job when its workers fail; an agent counts a
+    restart only when its own workers failed, so the nodes' counts may differ)."""
+    return min((h.max_restarts - h.restart for h in hellos), default=0)
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class Setup:
     env: dict[str, str] = field(default_factory=dict)
     timeout: float = 60.0
     group: bool = True
+    generation: str = ""  # the same for every rank of one attached group, new for the next
 
 
 @dataclass(frozen=True)
