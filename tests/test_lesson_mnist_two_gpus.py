@@ -232,7 +232,7 @@ def test_sharded_loader_check_fails_a_loader_without_padding():
     assert "drop_last=True" in dropping
     ok, cases = _outcome("sharded_loader", dropping)
     wrong = {c.label.split(",")[0] for c in cases if not c.ok}
-    assert not ok and wrong == {"10 samples", "1001 samples"}  # the sizes that need padding
+    assert not ok and wrong == {"10 samples", "1001 samples", "2 samples"}  # padded sizes
 
 
 def test_sharded_loader_check_fails_the_listings_shuffle():
