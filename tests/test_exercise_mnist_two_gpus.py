@@ -55,3 +55,129 @@ def test_strip_not_attempted_without_a_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert exercises.evaluate("strip_ddp_prefix").outcome == "NOT ATTEMPTED"
     assert judge("strip_ddp_prefix", "x = 1\n", tmp_path).outcome != "PASS"
+
+
+# ---------------------------------------------------------------- sharded_loader
+
+SAMPLER = "DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,\n" \
+          "                                 seed=0)"
+LOADER = "DataLoader(dataset, batch_size=batch_size, sampler=sampler)"
+
+
+def _sampler(new: str) -> str:
+    return edit("sharded_loader", SAMPLER, new)
+
+
+def _loader(new: str) -> str:
+    return edit("sharded_loader", LOADER, new)
+
+
+def _hand_sampler(pad: str) -> str:
+    """A sampler written by hand: the sampler's shuffle and stride, with `pad` for padding."""
+    return (
+        "import torch\nfrom torch.utils.data import DataLoader\n\n\n"
+        "class Shard:\n"
+        "    def __init__(self, n, rank, world_size):\n"
+        "        self.n, self.rank, self.world, self.epoch = n, rank, world_size, 0\n\n"
+        "    def set_epoch(self, epoch):\n        self.epoch = epoch\n\n"
+        "    def _indices(self):\n"
+        "        g = torch.Generator().manual_seed(self.epoch)\n"
+        "        order = torch.randperm(self.n, generator=g).tolist()\n"
+        f"{pad}"
+        "        return order[self.rank::self.world]\n\n"
+        "    def __iter__(self):\n        return iter(self._indices())\n\n"
+        "    def __len__(self):\n        return len(self._indices())\n\n\n"
+        "def sharded_loader(dataset, rank, world_size, batch_size=64):\n"
+        "    return DataLoader(dataset, batch_size=batch_size,\n"
+        "                      sampler=Shard(len(dataset), rank, world_size))\n")
+
+
+CYCLIC_PAD = ("        total = -(-self.n // self.world) * self.world\n"
+              "        order = (order * total)[:total]  # repeat the order as often as needed\n")
+
+LOADER_WRONG = {  # label: (answer, text its FAIL must name)
+    "the sampler told shuffle=False": (
+        _sampler(SAMPLER.replace("shuffle=True", "shuffle=False")),
+        "12 samples, rank 0 of 2, epoch 0: sample 0: got image 0"),
+    "the sampler told drop_last=True": (
+        _sampler(SAMPLER.replace("seed=0)", "seed=0, drop_last=True)")),
+        "10 samples, rank 0 of 3, epoch 0: got 3 samples, expected 4"),
+    "shuffle=True kept beside the sampler": (
+        _loader(LOADER.replace("sampler=sampler)", "sampler=sampler, shuffle=True)")),
+        "raised ValueError: sampler option is mutually exclusive with shuffle"),
+    "each rank seeded with its rank": (
+        _sampler(SAMPLER.replace("seed=0)", "seed=rank)")), "12 samples, rank 1 of 2, epoch 0"),
+    "the listing's batch size, 64, kept": (
+        _loader(LOADER.replace("batch_size=batch_size", "batch_size=64")),
+        "12 samples, rank 0 of 2: batch sizes (batch_size=4): got [6], expected [4, 2]"),
+    "drop_last=True in the DataLoader": (
+        _loader(LOADER.replace("sampler=sampler)", "sampler=sampler, drop_last=True)")),
+        "12 samples, rank 0 of 2, epoch 0: got 4 samples, expected 6"),
+    "the sampler's indices frozen into a Subset": (
+        "from torch.utils.data import DataLoader, DistributedSampler, Subset\n\n\n"
+        "def sharded_loader(dataset, rank, world_size, batch_size=64):\n"
+        "    mine = list(DistributedSampler(dataset, world_size, rank, seed=0))\n"
+        "    return DataLoader(Subset(dataset, mine), batch_size=batch_size)\n",
+        "12 samples, rank 0 of 2, epoch 1: loader.sampler.set_epoch: got 'missing'"),
+    "a contiguous block per rank, in order": (
+        "from torch.utils.data import DataLoader, Subset\n\n\n"
+        "def sharded_loader(dataset, rank, world_size, batch_size=64):\n"
+        "    per = len(dataset) // world_size\n"
+        "    mine = Subset(dataset, range(rank * per, (rank + 1) * per))\n"
+        "    return DataLoader(mine, batch_size=batch_size)\n",
+        "12 samples, rank 0 of 2, epoch 0: sample 0: got image 0"),
+    "a hand-made shard without padding": (
+        _hand_sampler(""), "10 samples, rank 1 of 3, epoch 0: got 3 samples, expected 4"),
+    "a hand-made shard padded once, not cyclically": (
+        _hand_sampler("        total = -(-self.n // self.world) * self.world\n"
+                      "        order += order[:total - self.n]\n"),
+        "2 samples, rank 4 of 5, epoch 0: got 0 samples, expected 1"),
+}
+
+LOADER_RIGHT = {
+    "positional arguments, the sampler's defaults, shuffle=False spelt out": (
+        "from torch.utils.data import DataLoader, DistributedSampler\n\n\n"
+        "def sharded_loader(dataset, rank, world_size, batch_size=64):\n"
+        "    return DataLoader(dataset, batch_size, shuffle=False,\n"
+        "                      sampler=DistributedSampler(dataset, world_size, rank))\n"),
+    "a hand-made shard, padded cyclically": _hand_sampler(CYCLIC_PAD),
+}
+
+
+def test_wrong_loaders_fail_naming_the_case(tmp_path):
+    lines = verdicts("sharded_loader", {k: src for k, (src, _) in LOADER_WRONG.items()}, tmp_path)
+    assert_all_fail("sharded_loader", lines, {k: named for k, (_, named) in LOADER_WRONG.items()})
+
+
+def test_loaders_written_differently_pass(tmp_path):
+    answers = {"the kit's solution": exercises.solution_source("sharded_loader"), **LOADER_RIGHT}
+    assert_all_pass("sharded_loader", verdicts("sharded_loader", answers, tmp_path))
+
+
+# ---------------------------------------------------------------- lines_printed
+
+WITHOUT = "lines without the sampler (4 ranks): at index (): "
+
+LINES_WRONG = {  # label: (prediction, text its FAIL must name)
+    "per rank, not in all": ((938, 235), WITHOUT + "got 938, expected 3752"),
+    "the sampler not counted as sharding": ((3752, 3752), "lines with the sampler (4 ranks)"),
+    "batches rounded down": ((3748, 936), WITHOUT + "got 3748"),
+    "images over batch size, unrounded": ((3750, 937.5), "lines without the sampler"),
+    "one line per image": ((240_000, 60_000), "lines without the sampler"),
+    "swapped": ((940, 3752), WITHOUT + "got 940"),
+    "with the sampler, one rank's lines": ((3752, 235), "lines with the sampler (4 ranks)"),
+    "one number, not a pair": (4692, "the answer is a pair (without, with the sampler)"),
+}
+
+
+def test_wrong_lines_printed_predictions_fail_naming_the_count(tmp_path):
+    lines = verdicts("lines_printed", {k: v for k, (v, _) in LINES_WRONG.items()}, tmp_path)
+    assert_all_fail("lines_printed", lines, {k: named for k, (_, named) in LINES_WRONG.items()})
+    exercises._CHECKED.discard("lines_printed")
+
+
+def test_lines_printed_spelt_differently_passes(tmp_path):
+    answers = {"a tuple": (3752, 940), "a list": [3752, 940], "floats": (3752.0, 940.0),
+               "the arithmetic": (4 * 938, 4 * 235)}
+    assert_all_pass("lines_printed", verdicts("lines_printed", answers, tmp_path))
+    exercises._CHECKED.discard("lines_printed")

@@ -1,6 +1,7 @@
 """Lesson 06 on real gloo ranks: gradient sync keeps the ranks identical, no sync lets them drift,
 averaging every k resets the drift with one all-reduce per tensor, a split by label makes no sync
-fail; the ring model and its fit; the exercises' checks pass the solutions and fail wrong ones."""
+fail; the ring model and its fit; the exercises' checks pass the solutions and fail wrong ones
+(average_parameters' check on ranks: tests/test_exercise_gradient_sync_effects.py)."""
 
 from dataclasses import replace
 
@@ -151,11 +152,12 @@ def test_allreduce_times_on_gloo_for_two_and_four_ranks():
     lesson.fit_ring(points)  # real timings go through the fit (its arithmetic: the test above)
 
 
-def test_counting_all_reduce_restores_the_function():
+def test_counting_all_reduce_leaves_dist_all_reduce_alone():
+    # The ledger counts at torch's dispatch: nothing is patched, so an import alias is seen too.
     real = torch.distributed.all_reduce
     with lesson.counting_all_reduce() as calls:
-        assert torch.distributed.all_reduce is not real
-    assert torch.distributed.all_reduce is real and calls == []
+        assert torch.distributed.all_reduce is real
+    assert calls == []
 
 
 # ---------------------------------------------------------------- exercises
@@ -167,22 +169,6 @@ def _module(text: str):
     module = types.ModuleType("attempt")
     exec(compile(text, "attempt.py", "exec"), module.__dict__)
     return module
-
-
-def test_average_parameters_check_passes_the_solution_and_fails_sum_only(tmp_path, monkeypatch):
-    # The check launches ranks that import the learner's function: it must be a real file.
-    monkeypatch.chdir(tmp_path)
-    attempt = tmp_path / exercises.ATTEMPTS / "average_parameters.py"
-    attempt.parent.mkdir()
-    attempt.write_text(exercises.solution_source("average_parameters"))
-    assert exercises.evaluate("average_parameters").outcome == "PASS"
-    attempt.write_text("import torch\nimport torch.distributed as dist\n"
-                       "def average_parameters(model, world_size):\n"
-                       "    with torch.no_grad():\n"
-                       "        for p in model.parameters():\n"
-                       "            dist.all_reduce(p)\n")
-    cases = lesson.check_average_parameters(exercises.load_attempt("average_parameters"))
-    assert [c.ok for c in cases] == [True, False]  # equal on both ranks, but not the mean
 
 
 def test_scaled_lr_and_allreduce_calls_checks():

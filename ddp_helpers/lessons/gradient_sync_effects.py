@@ -24,9 +24,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ddp_helpers as dh
-from ddp_helpers.checks import case, pair_cases
+from ddp_helpers.checks import Case, case, pair_cases
 from ddp_helpers.data import DataSource, ShardedBatches, mnist_tensors, prepare_data
 from ddp_helpers.exercises import exercise_check, require
+from ddp_helpers.ledger import Ledger
 from ddp_helpers.models import build_model, flat_params, param_count, seed_model
 
 SYNC_MODES = ("ddp", "none", "average")
@@ -148,19 +149,12 @@ def ddp_bucket_bytes(ddp: DistributedDataParallel) -> int:
 
 @contextmanager
 def counting_all_reduce() -> Iterator[list[int]]:
-    """Within the block, every dist.all_reduce call is counted: the list gets its tensor's bytes."""
+    """Within the block, every all-reduce this rank calls is counted by the ledger (so one
+    imported under another name, or DDP's, counts too): the list gets each call's bytes."""
     calls: list[int] = []
-    real = dist.all_reduce
-
-    def counted(tensor, *args, **kwargs):
-        calls.append(tensor.numel() * tensor.element_size())
-        return real(tensor, *args, **kwargs)
-
-    dist.all_reduce = counted  # the learner's average() looks it up on the module at call time
-    try:
+    with Ledger() as ledger:
         yield calls
-    finally:
-        dist.all_reduce = real
+    calls += [c.nbytes for c in ledger.calls if c.op == "all_reduce"]
 
 
 def _batches_for(batches: ShardedBatches, steps: int):
@@ -345,33 +339,141 @@ def cost_points(measured: list[list[dict]]) -> list[tuple[int, float, float]]:
 # ---------------------------------------------------------------- exercises
 
 
-EXERCISE_STEPS = 30
+AVERAGE_RANKS = 3  # an odd world size: dividing by 2 is not the mean
+AVERAGE_EVERY, AVERAGE_STEPS = 3, 6  # the training case: averages after steps 3 and 6
+
+
+def odd_model() -> nn.Module:
+    """A model whose parameters have odd sizes: 15, 3, 3 and 1 numbers."""
+    return nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 1))
+
+
+def rank_values(model: nn.Module, rank: int) -> list[torch.Tensor]:
+    """Values for `model`'s parameters that differ on every rank (seeded by the rank)."""
+    g = torch.Generator().manual_seed(1_000 + rank)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
+def average_cases(rank: int, world_size: int, average) -> dict:
+    """What the check needs from one rank: its parameters after one `average` of parameters that
+    differ on every rank (with the collectives it called), and 6 steps of training with DDP's
+    sync off, averaging every 3 steps, with `average` and with the kit's average_parameters."""
+    with dh.process_group(rank, world_size, verbose=False) as device:
+        torch.set_num_threads(1)
+        model = odd_model().to(device)
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), rank_values(model, rank)):
+                p.copy_(value)
+        model(torch.ones(2, 5, device=device)).sum().backward()  # gradients there, as in training
+        everyone = [torch.cat([v.double().flatten() for v in rank_values(model, r)])
+                    for r in range(world_size)]
+        out = {"rank": rank, "expected": torch.stack(everyone).mean(0)}
+        try:
+            with Ledger() as ledger:
+                average(model, world_size)
+            out["once"] = flat_params(model)
+            out["trained"] = _averaged_training(average, device, rank)
+        except Exception as e:  # noqa: BLE001 - the learner's error is the result to report
+            out["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+        out["calls"] = [c.text() for c in ledger.calls]
+        if "error" not in out:
+            out["kit"] = _averaged_training(average_parameters, device, rank)
+        return out
+
+
+def _averaged_training(average, device: torch.device, rank: int) -> torch.Tensor:
+    """The seed model in DDP trained AVERAGE_STEPS steps with its sync off, on this rank's own
+    random batches, `average` after every AVERAGE_EVERY-th: the parameters after every step."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(seed_model().to(device), device_ids=dh.device_ids(device))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    snapshots = []
+    for step in range(1, AVERAGE_STEPS + 1):
+        x = torch.randn(16, 1, 28, 28, generator=g).to(device)
+        y = torch.randint(0, 10, (16,), generator=g).to(device)
+        optimizer.zero_grad()
+        with ddp.no_sync():
+            F.cross_entropy(ddp(x), y).backward()
+        optimizer.step()
+        if step % AVERAGE_EVERY == 0:
+            average(ddp.module, dist.get_world_size())
+        snapshots.append(flat_params(ddp.module))
+    return torch.stack(snapshots)
 
 
 @exercise_check("average_parameters", "file")
 def check_average_parameters(module) -> list:
-    """Train two ranks averaging every 10 steps with the learner's function: the ranks must
-    agree after each average, and match the kit's run."""
-    mine_fn = require(module, "average_parameters")
-    cfg = SyncConfig(source=prepare_data(verbose=False), sync="average", every=10,
-                     steps=EXERCISE_STEPS, train_subset=3_000)
-    mine = dh.launch(train_with_sync, args=(2, cfg, mine_fn), nprocs=2, timeout=120,
-                     output="none")
-    kit = dh.launch(train_with_sync, args=(2, cfg), nprocs=2, timeout=120, output="none")
-    gap = param_distance(mine)[cfg.every::cfg.every]
-    return [case("distance between the ranks after steps 10, 20, 30", gap,
-                 torch.zeros_like(gap)),
-            case("rank 0's parameters after every step, against the kit's run",
-                 mine[0]["params"], kit[0]["params"])]
+    """On 3 ranks: parameters that differ on every rank become their mean, the same on every
+    rank, bit for bit; then a short training with DDP's sync off, averaging every 3 steps with
+    the learner's function, keeps the ranks equal after each average and matches the kit's."""
+    mine = require(module, "average_parameters")
+    results = dh.launch(average_cases, args=(AVERAGE_RANKS, mine), nprocs=AVERAGE_RANKS,
+                        timeout=90, output="none")
+    once = "3 ranks, parameters of 15, 3, 3 and 1 numbers, different on every rank"
+    cases = []
+    for r in results:
+        label = f"{once}: rank {r['rank']}'s parameters after one average"
+        called = f"; it called {', '.join(r['calls']) or 'no collective'}"
+        if "error" in r:
+            cases.append(Case(label, False, f"your function raised {r['error']}{called}"))
+            continue
+        got = case(label, r["once"], r["expected"])
+        cases.append(Case(label, got.ok, got.detail + ("" if got.ok else called)))
+    if any(not c.ok for c in cases):
+        return cases
+    cases += [case(f"{once}: rank {r['rank']}'s average == rank 0's, bit for bit", r["once"],
+                   results[0]["once"], rtol=0, atol=0) for r in results[1:]]
+    train = f"{AVERAGE_STEPS} steps with DDP's sync off, averaging every {AVERAGE_EVERY}"
+    after = [s - 1 for s in range(AVERAGE_EVERY, AVERAGE_STEPS + 1, AVERAGE_EVERY)]
+    cases += [case(f"{train}: rank {r['rank']} == rank 0 after steps "
+                   f"{', '.join(str(s + 1) for s in after)}, bit for bit", r["trained"][after],
+                   results[0]["trained"][after], rtol=0, atol=0) for r in results[1:]]
+    cases += [case(f"{train}: rank {r['rank']}'s parameters after every step, against the "
+                   "kit's average_parameters", r["trained"], r["kit"]) for r in results]
+    return cases
 
 
 @exercise_check("scaled_lr", "file")
 def check_scaled_lr(module) -> list:
-    """The linear scaling rule on five settings, one rank to eight."""
+    """The linear scaling rule on seven settings, one rank to eight: batches per rank smaller,
+    equal to and larger than the base batch, and 3 ranks (where 144 // 128 is not 144 / 128)."""
     fn = require(module, "scaled_lr")
     given = [((0.05, 64, 64, 1), 0.05), ((0.05, 64, 64, 4), 0.2), ((0.1, 256, 32, 2), 0.025),
-             ((0.01, 64, 128, 8), 0.16), ((0.2, 128, 128, 1), 0.2)]
+             ((0.01, 64, 128, 8), 0.16), ((0.2, 128, 128, 1), 0.2),
+             ((0.1, 128, 48, 3), 0.1125), ((0.03, 96, 32, 3), 0.03)]
     return [case(f"scaled_lr{args}", fn(*args), want) for args, want in given]
+
+
+def mlp(hidden: int) -> nn.Module:
+    """Flatten + Linear(784, hidden) + ReLU + Linear(hidden, 10): four parameter tensors."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def averaging_calls(rank: int, world_size: int, hiddens: list[int | None], steps: int = 100,
+                    every: int = 5) -> list[dict[str, int]]:
+    """Exercise 3's count, measured: per model (None: the seed model, else mlp(hidden)), the
+    collectives this rank calls, as the ledger counts them, in `steps` steps of training with
+    DDP's sync off that average with average_parameters after every `every`-th step."""
+    with dh.process_group(rank, world_size, verbose=False) as device:
+        torch.set_num_threads(1)
+        counts = []
+        for hidden in hiddens:
+            torch.manual_seed(0)
+            model = seed_model() if hidden is None else mlp(hidden)
+            ddp = DistributedDataParallel(model.to(device), device_ids=dh.device_ids(device))
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+            x, y = torch.randn(8, 1, 28, 28).to(device), torch.randint(0, 10, (8,)).to(device)
+            with Ledger() as ledger:
+                for step in range(1, steps + 1):
+                    optimizer.zero_grad()
+                    with ddp.no_sync():
+                        F.cross_entropy(ddp(x), y).backward()
+                    optimizer.step()
+                    if step % every == 0:
+                        average_parameters(ddp.module, world_size)
+            counts.append(ledger.counts())
+        return counts
 
 
 ALLREDUCE_CALLS = (40, 80)  # 100 steps / 5 = 20 averages, x2 tensors (seed) or x4 (MLP)

@@ -31,7 +31,7 @@ from torchvision.datasets import MNIST as TorchvisionMNIST
 
 import ddp_helpers as dh
 from ddp_helpers import digits, models, training
-from ddp_helpers.checks import case, pair_cases
+from ddp_helpers.checks import Case, case, pair_cases
 from ddp_helpers.data import DataSource, ShardedBatches, mnist_tensors, prepare_data
 from ddp_helpers.exercises import exercise_check, require
 from ddp_helpers.runtime import BACKEND_VAR, let_gloo_threads_finish, usable_cores
@@ -547,32 +547,63 @@ _EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception)(:|$)")
 # ---------------------------------------------------------------- exercises
 
 
+# (images, world size, batch size): dividing evenly, padded by a few, padded on 3 ranks, and
+# padded by more than the data holds (2 images on 5 ranks: the sampler repeats them cyclically).
+LOADER_SIZES = ((12, 2, 4), (10, 3, 3), (1001, 2, 64), (2, 5, 2))
+
+
 def loader_cases(sharded_loader) -> list:
-    """The learner's loader against DistributedSampler: sizes that divide evenly and that need
-    padding (the sampler repeats the first indices so every rank gets as many), epochs 0 and 1."""
+    """The learner's loader against DistributedSampler (seed 0) on every rank of each of
+    LOADER_SIZES: the samples in order at epochs 0 and 1 (loader.sampler.set_epoch(1) between
+    them, as a training loop calls it), and the sizes of the batches."""
     cases = []
-    for n, world, batch in ((12, 2, 4), (10, 3, 3), (1001, 2, 64)):
+    for n, world, batch in LOADER_SIZES:
         numbers = torch.utils.data.TensorDataset(torch.arange(n))
         for rank in range(world):
             loader = sharded_loader(numbers, rank, world, batch_size=batch)
             expected = DistributedSampler(range(n), world, rank, shuffle=True, seed=0)
-            for epoch in (0, 1):
-                label = f"{n} samples, rank {rank} of {world}, epoch {epoch}"
-                reshuffle = getattr(getattr(loader, "sampler", None), "set_epoch", None)
-                if epoch == 1 and reshuffle is None:
-                    cases.append(case(f"{label}: loader.sampler.set_epoch", "missing", "present"))
-                    continue
-                if epoch == 1:  # the same loader, told the epoch, as a training loop would
-                    reshuffle(1)
-                    expected.set_epoch(1)
-                got = torch.cat([b[0] for b in loader]).tolist()
-                cases.append(case(label, got, list(expected)))
+            label = f"{n} samples, rank {rank} of {world}"
+            batches = [b[0] for b in loader]
+            cases.append(_samples_case(f"{label}, epoch 0", batches, list(expected)))
+            want = [min(batch, len(expected) - i) for i in range(0, len(expected), batch)]
+            sizes = [len(b) for b in batches]
+            cases.append(Case(f"{label}: batch sizes (batch_size={batch})", sizes == want,
+                              f"got {_short(sizes)}, expected {_short(want)}"))
+            reshuffle = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+            if reshuffle is None:
+                cases.append(case(f"{label}, epoch 1: loader.sampler.set_epoch", "missing",
+                                  "present"))
+                continue
+            reshuffle(1)  # the same loader, told the epoch
+            expected.set_epoch(1)
+            cases.append(_samples_case(f"{label}, epoch 1", [b[0] for b in loader],
+                                       list(expected)))
     return cases
+
+
+def _samples_case(label: str, batches: list, expected: list[int]):
+    """The samples a loader's batches held, in order, against the sampler's: a failure says
+    how many there were or where the first one differs."""
+    got = torch.cat(batches).tolist() if batches else []
+    if len(got) != len(expected):
+        return Case(label, False, f"got {len(got)} samples, expected {len(expected)} "
+                                  "(DistributedSampler pads every rank to the same count)")
+    wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+    if wrong:
+        i = wrong[0]
+        return Case(label, False, f"sample {i}: got image {got[i]}, expected {expected[i]} "
+                                  f"(got {_short(got)}, expected {_short(expected)})")
+    return Case(label, True)
+
+
+def _short(numbers: list[int], keep: int = 6) -> str:
+    return str(numbers) if len(numbers) <= keep else f"[{', '.join(map(str, numbers[:keep]))}, ...]"
 
 
 @exercise_check("sharded_loader", "file")
 def check_sharded_loader(module) -> list:
-    """Each rank's samples, in order, against DistributedSampler's (seed 0), padding included."""
+    """Each rank's samples, in order, and its batch sizes, against DistributedSampler's (seed 0)
+    at epochs 0 and 1, on sizes that need padding (see LOADER_SIZES)."""
     return loader_cases(require(module, "sharded_loader"))
 
 
