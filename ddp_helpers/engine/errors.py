@@ -117,15 +117,15 @@ class LaunchTimeout(LaunchError, TimeoutError):
     def from_unfinished(cls, unfinished: list[int], nprocs: int, last_lines: dict[int, str], *,
                         what: str = "", consequence: str = "Every rank was stopped.",
                         stacks: dict[int, str] | None = None, results: list | None = None,
-                        finished: list[int] | None = None, since: str = ""
+                        finished: list[int] | None = None, in_cell: bool = False
                         ) -> LaunchTimeout:
-        """Word a timeout: which ranks had not finished, the last line each printed (`since`
-        " in this cell": only lines of this cell count, and none printed says nothing), and,
+        """Word a timeout: which ranks had not finished, the last line each printed (`in_cell`:
+        only lines of this cell count, and none printed says nothing), and,
         given faulthandler dumps in `stacks`, where each one's main thread was."""
         lines = "\n".join(f"  rank {r}: {last_lines.get(r) or '(printed nothing)'}"
                           for r in unfinished)
-        printed = f" Last line each printed{since}:\n{lines}\n"
-        if since and not any(last_lines.get(r) for r in unfinished):
+        printed = f" Last line each printed{' in this cell' if in_cell else ''}:\n{lines}\n"
+        if in_cell and not any(last_lines.get(r) for r in unfinished):
             printed = "\n"
         short = {r: main_thread_stack(t) for r, t in (stacks or {}).items()}
         text = (f"timeout{what}: rank(s) {', '.join(map(str, unfinished))} of {nprocs} had not "

@@ -15,7 +15,7 @@ def ledger_table(calls: dict[int, list[Call]], ranks: list[int], title: str,
     """The table of `calls` ({rank: [Call, ...]}) for `ranks`, with a totals line per rank."""
     if not any(calls.get(r) for r in ranks):
         return f"{title}: no collective or send/recv was called."
-    cells = {r: [f"{c.text()} ({_line(place(c.where))})" for c in calls.get(r, [])]
+    cells = {r: [f"{c.text()} ({_where(c, place)})" for c in calls.get(r, [])]
              for r in ranks}
     width = max(len(t) for col in cells.values() for t in col) + 2
     rows = max(len(col) for col in cells.values())
@@ -28,10 +28,10 @@ def ledger_table(calls: dict[int, list[Call]], ranks: list[int], title: str,
     return "\n".join(out)
 
 
-def _line(place: str) -> str:
-    """"In [5], line 4" -> "line 4": the title already names the cell."""
-    head, _, line = place.rpartition(", ")
-    return line if head.startswith(("In [", "this cell")) else place
+def _where(call: Call, place: Callable[[tuple[str, int]], str]) -> str:
+    """"line 4" for a line of the cell (the title names it), else the file's place."""
+    path, line = call.where
+    return f"line {line}" if path.startswith("<cell ") else place(call.where)
 
 
 def _total(calls: list[Call]) -> str:

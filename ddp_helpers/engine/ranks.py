@@ -83,6 +83,7 @@ class Ranks:
         self._set: RankSet | None = None
         self._info: list[Ready] = []
         self.cells_run = 0
+        self.labels: dict[str, str] = {}  # "<cell 12>" -> "In [5]": cells the magic named
         self._stopped_because: str | None = None  # why the ranks were stopped, if not by us
         self._finalizer = None
         self.start()
@@ -179,11 +180,6 @@ class Ranks:
         self._ensure_running()
         self._request(Push(values), targets, self.timeout, self.output)
 
-    @property
-    def labels(self) -> dict[str, str]:
-        """"<cell 12>" -> "In [5]": the learner's name of each cell the magic ran here."""
-        return self.__dict__.setdefault("_labels", {})  # also for pools that skip __init__
-
     def collectives(self) -> dict[int, list[Call]]:
         """The collectives and send/recv calls each rank made in the last cell, in order, as
         the ledger recorded them ({rank: [Call, ...]}; what `%%ranks --ledger` prints)."""
@@ -250,7 +246,7 @@ class Ranks:
         if outcome is Outcome.TIMEOUT:
             return LaunchTimeout.from_unfinished(
                 watch.unfinished(), self.nprocs, last, what=f" after {timeout:g} s",
-                consequence=consequence, since=" in this cell")
+                consequence=consequence, in_cell=True)
         if outcome is Outcome.STALLED:
             idle = [r for r in range(self.nprocs) if r not in watch.unfinished()]
             return LaunchTimeout.from_stall(watch.unfinished(), idle, self.nprocs, STALL_SECONDS,

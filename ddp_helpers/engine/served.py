@@ -158,6 +158,7 @@ class ServedRanks(Ranks):
         self._set = None
         self._info: list[Ready] = []
         self.cells_run = 0
+        self.labels: dict[str, str] = {}
         self._stopped_because = "not attached yet: call .wait_ready()"
         self.restarts = 0  # torchrun restarts so far: the highest TORCHELASTIC_RESTART_COUNT
         self._restart: _Restart | None = None  # set while torchrun restarts the workers
