@@ -13,10 +13,12 @@ these ops), the lessons' counts and bytes, and the engine's naming of mismatched
 A `Call` is recorded before the op runs, so a rank blocked inside a collective has it as its
 last entry: `on_call` (a callable given to Ledger) is told of each call at that moment.
 One limit, as for torch's CommDebugMode (a dispatch mode is per thread): a collective issued
-from a future's `.then(...)` callback runs on the backend's completion thread, out of the mode's
-sight; PowerSGD's comm hook issues its second and third all-reduce that way (lesson 10 counts
-them at `dist.all_reduce` instead). DDP's own bucket all-reduces are issued on the thread that
-runs backward and are seen.
+from a future's `.then(...)` callback runs where the callback runs, which is the caller's thread
+if the future was already done when the callback was attached and the backend's completion
+thread if not. The mode sees it only in the first case, so its count can change from run to run;
+a tapped ledger (below) sees it in both. PowerSGD's comm hook issues its second and third
+all-reduce that way (lesson 10 counts them with a tapped ledger and at `dist.all_reduce`).
+DDP's own bucket all-reduces are issued on the thread that runs backward and are seen.
 Bytes are the tensors this rank hands in (for all_gather and reduce_scatter, its own input),
 not what the backend's algorithm moves on the wire.
 

@@ -170,6 +170,29 @@ def test_every_hook_learns_and_powersgd_rank_1_pays_for_its_bytes(hooked):
     assert "powersgd rank 1  within 3 points of uncompressed: no" in text
 
 
+def test_a_tapped_ledger_sees_powersgds_callback_all_reduces_every_step(pool):
+    # The notebook's PowerSGD cell: the P and Q all-reduces come from a future's callback, on
+    # this thread or on gloo's; the tap sees them wherever they run, so every step reads 3.
+    seen = pool.run("""
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+import torch.nn.functional as F
+from ddp_helpers.ledger import Ledger
+low = DDP(lesson.mlp(0).to(device))
+low.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None,
+    matrix_approximation_rank=1, start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
+seen = []
+for step in range(8):
+    x, y = lesson.rank_batch(step, rank, world_size, device)
+    with Ledger(tap=True) as ledger, lesson.all_reduce_bytes() as sent:
+        F.cross_entropy(low(x), y).backward()
+    seen.append((ledger.summary()["all_reduce"], (len(sent), sum(sent))))
+seen""")
+    for per_rank in seen:
+        assert per_rank[:2] == [((1, 220_200), (1, 220_200))] * 2
+        assert per_rank[2:] == [((3, 6_352), (3, 6_352))] * 6
+
+
 def test_the_bf16_hook_runs_where_gloo_sums_bfloat16(pool):
     status = pool.run("lesson.hook_status('bf16', device)")[0]
     sums = pool.run("t = torch.ones(2, dtype=torch.bfloat16)\n"

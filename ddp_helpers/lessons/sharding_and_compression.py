@@ -584,9 +584,9 @@ def register_hook(ddp: DDP, name: str) -> None:
 @contextlib.contextmanager
 def all_reduce_bytes() -> Iterator[list[int]]:
     """Record the bytes of every dist.all_reduce called from Python (the comm hooks' calls).
-    Not the ledger: PowerSGD issues its P and Q all-reduces from inside a future's callback,
-    and the ledger (a dispatch mode, like CommDebugMode) does not see those (lesson 10 shows
-    it: one all-reduce a step on the ledger, three calls of dist.all_reduce)."""
+    Not the plain ledger: PowerSGD issues its P and Q all-reduces from inside a future's
+    callback, which often runs on gloo's thread, out of a dispatch mode's sight (lesson 10);
+    a tapped ledger, `Ledger(tap=True)`, would see them too."""
     sent, original = [], dist.all_reduce
 
     def counted(tensor, *args, **kwargs):
