@@ -12,12 +12,7 @@ from the group torchrun restarted.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import ddp_helpers as dh
 from bench.common import median, timed, write_table
@@ -83,7 +78,7 @@ def restart_rows(restarts: int) -> dict[str, list[float]]:
     if restarts < 1:
         return {}
     pool = dh.Ranks.listen(2, timeout=60, output="none")
-    agents = _restarting_agents(pool, restarts)
+    agents = lesson.served_agents(pool, max_restarts=restarts)
     seconds = []
     try:
         pool.wait_ready(240, progress=False)
@@ -99,24 +94,6 @@ def restart_rows(restarts: int) -> dict[str, list[float]]:
         pool.stop()
         lesson.agents_ended(agents)
     return {"served: torchrun restart, death to next cell": seconds}
-
-
-def _restarting_agents(pool, max_restarts: int) -> list[subprocess.Popen]:
-    """lesson.served_agents's two loopback "nodes", with --max-restarts."""
-    from ddp_helpers.lessons import beyond_one_machine as lesson
-
-    logs, endpoint = Path(tempfile.mkdtemp(prefix="bench_restarts_")), f"127.0.0.1:{dh.free_port()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
-           "1", "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-           endpoint, "--rdzv-id", "bench", "-m", "ddp_helpers.serve", "--connect", pool.address,
-           "--token-file", pool.token_file]
-    agents = []
-    for node in range(2):
-        with open(logs / f"agent{node}.log", "w") as log:
-            agents.append(subprocess.Popen(cmd, cwd=lesson.ROOT, stdout=log,
-                                           stderr=subprocess.STDOUT, env=dict(os.environ),
-                                           start_new_session=True))
-    return agents
 
 
 def ipyparallel_rows(cells: int) -> dict[str, list[float]]:

@@ -64,20 +64,32 @@ def test_two_torchrun_nodes_attach_run_collectives_and_report_a_killed_worker(tm
         lesson.agents_ended(agents, timeout=30)
 
 
-def _restarting_agents(pool, log_dir, max_restarts: int) -> list[subprocess.Popen]:
-    """Two torchrun agents (two "nodes" of one worker, c10d on loopback) with --max-restarts."""
-    endpoint = f"127.0.0.1:{dh.free_port()}"
-    agents = []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "restarts",
-               "-m", "ddp_helpers.serve", "--connect", pool.address,
-               "--token-file", pool.token_file]
-        with open(log_dir / f"agent{node}.log", "w") as log:
-            agents.append(subprocess.Popen(cmd, cwd=lesson.ROOT, stdout=log,
-                                           stderr=subprocess.STDOUT, start_new_session=True))
-    return agents
+def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path):
+    # Served ranks send their ledger lines over the connection: --ledger's record and the
+    # mismatch naming work as for the ranks the kit forks.
+    pool = dh.Ranks.listen(2, timeout=60)
+    agents = lesson.served_agents(pool, nnodes=2, nproc_per_node=1, log_dir=tmp_path)
+    try:
+        pool.wait_ready(HANG_GUARD, progress=False)
+        pool.run("t = torch.ones(3)\ndist.all_reduce(t)\ndist.broadcast(t, src=0)",
+                 label="In [4]", first_line=2, output="none")
+        calls = pool.collectives()
+        assert [[c.text() for c in calls[r]] for r in (0, 1)] == \
+            [["all_reduce #1 float32[3]", "broadcast #2 float32[3]"]] * 2
+        assert pool.place(calls[1][1].where) == "In [4], line 4"
+        with pytest.raises(dh.CollectiveMismatch) as info:
+            pool.run("t = torch.ones(4)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n"
+                     "    dist.broadcast(t, src=0)", label="In [5]", first_line=2,
+                     timeout=HANG_GUARD, output="none")
+        text = str(info.value)
+        assert "rank 0 is in all_reduce #1 float32[4] (In [5], line 4)" in text
+        assert "rank 1 is in broadcast #1 float32[4] (In [5], line 6)" in text
+        assert "torchrun agent ended" in text
+        codes = lesson.agents_ended(agents, timeout=HANG_GUARD)
+        assert None not in codes  # the mismatch ended the jobs: nothing left behind
+    finally:
+        pool.stop()
+        lesson.agents_ended(agents, timeout=30)
 
 
 def _hello_from(pool, hello: Hello):
@@ -98,7 +110,7 @@ def test_torchrun_max_restarts_reattach_as_a_fresh_group(tmp_path, capsys):
     each time torchrun restarts every worker, the next cell says so once and runs on the
     fresh group, and a stale worker of the old group cannot attach."""
     pool = dh.Ranks.listen(2, timeout=60)
-    agents = _restarting_agents(pool, tmp_path, max_restarts=2)
+    agents = lesson.served_agents(pool, log_dir=tmp_path, max_restarts=2)
     try:
         pool.wait_ready(HANG_GUARD, progress=False)
         old = pool.hosts()

@@ -49,8 +49,16 @@ class Feed:
 _feed: Feed | None = None
 
 
+def feed_into(fd: int) -> None:
+    """Make fd this rank's feed: a served rank (served_rank.py) has no pipe from the kit, so it
+    makes one and forwards what arrives over its connection."""
+    global _feed
+    _feed = Feed(fd)
+
+
 def feed() -> Feed | None:
-    """This rank's feed (None outside a rank the kit started with a ledger pipe)."""
+    """This rank's feed (None outside a rank the kit started with a ledger pipe, or that
+    called feed_into)."""
     global _feed
     if _feed is None:
         from .rank_entry import _current

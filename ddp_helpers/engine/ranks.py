@@ -257,11 +257,12 @@ class Ranks:
         return RankDied.from_exit(failure.rank, self.nprocs, failure.exitcode,
                                   last.get(failure.rank, ""), consequence=consequence)
 
-    def _mismatch(self, outcome: Outcome, failure: Failure | None, watch: CellWatch
-                  ) -> CollectiveMismatch | None:
-        """A stall, or an abort and its knock-on errors, that the ledgers explain."""
+    def _mismatch(self, outcome: Outcome, failure: Failure | None, watch: CellWatch,
+                  may_be_abort: Priority = Priority.ABORTED) -> CollectiveMismatch | None:
+        """A stall, or an abort and its knock-on errors, that the ledgers explain. A failure
+        below `may_be_abort` (a rank's own error, a death by another signal) is its own cause."""
         if outcome is not Outcome.STALLED and (
-                failure is None or failure.priority < Priority.ABORTED):
+                failure is None or failure.priority < may_be_abort):
             return None  # a rank's own error or death is the cause, not a mismatch
         self._set.drain_output()  # the ledger lines still in the pipes
         finding = watch.mismatch()

@@ -19,6 +19,7 @@ import time
 import weakref
 
 from .errors import LaunchRefused, RankDied
+from .ledger_feed import LedgerReader
 from .listen import Attached, Listener
 from .options import check_pool
 from .protocol import AskWhere, Command, Error, Ready, Reply, Stop, Unreadable, Where
@@ -41,6 +42,8 @@ class ServedSet(ReplyPolicy):
         self.hellos: dict[int, Hello] = {r: a.hello for r, a in attached.items()}
         self.chans = {r: a.chan for r, a in attached.items()}
         self.relay = OutputRelay(nprocs, output)
+        self.ledger = LedgerReader()  # each rank's collectives in this request, as they enter
+        self.replied_at: dict[int, float] = {}  # rank -> monotonic time its reply arrived
         self.exitcodes: dict[int, int | None] = {}  # rank -> None: its connection closed
         self.stopped = False
         self._replies: dict[int, Reply] = {}
@@ -73,12 +76,15 @@ class ServedSet(ReplyPolicy):
             return
         except Unreadable as e:
             message = Error.unreadable_result(e.cause)
-        if isinstance(message, Output):
+        if isinstance(message, Output) and message.kind == "led":
+            self.ledger.feed(rank, message.data)
+        elif isinstance(message, Output):
             self.relay.feed(rank, message.kind, message.data)
         elif isinstance(message, Where):
             self._wheres[rank] = message
         elif not isinstance(message, Error) or rank not in self._replies:
             self._replies[rank] = message
+            self.replied_at[rank] = time.monotonic()
 
     def drain_output(self, seconds: float = 0.0) -> None:
         """Read what has already arrived (a rank sends its output before its reply)."""
@@ -100,6 +106,8 @@ class ServedSet(ReplyPolicy):
 
     def ask(self, ranks: list[int], command: Command | None, output) -> None:
         self._replies.clear()
+        self.replied_at.clear()
+        self.ledger.reset()
         self.relay_to(output)
         if command is not None:
             for r in ranks:
@@ -270,6 +278,11 @@ class ServedRanks(Ranks):
         failure = self._set.failure()
         if outcome in (Outcome.TIMEOUT, Outcome.STALLED) or failure is None or failure.raised:
             return super()._failed(outcome, watch, timeout, starting)
+        # A closed connection is all a served rank's death shows, and gloo aborting a rank
+        # whose collective's sizes did not fit is one: where the ledgers explain it, say that.
+        mismatch = self._mismatch(outcome, failure, watch, may_be_abort=Priority.DIED)
+        if mismatch is not None:
+            return mismatch
         hello, r = self._set.hellos[failure.rank], failure.rank
         last = self._set.relay.last_line(r)
         where = watch.where_all()

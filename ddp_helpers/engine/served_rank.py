@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from . import auth
+from . import auth, ledger_feed
 from .protocol import AskWhere, Channel, Error, Unreadable, encode
 from .sockets import Hello, Output, Refused, Setup, channel, parse_address, recv_small
 
@@ -75,7 +75,8 @@ class Link:
                     break
                 if not data:
                     break
-                os.write(self.copies[kind], data)  # torchrun's log keeps the lines too
+                if kind in self.copies:
+                    os.write(self.copies[kind], data)  # torchrun's log keeps the lines too
                 self.chan.send(Output(kind, data))
 
     def forward_output(self) -> None:
@@ -172,7 +173,8 @@ def hello() -> Hello:
 
 def _capture_output() -> tuple[dict[str, int], dict[str, int]]:
     """Point fds 1 and 2 (C++ output too) at pipes the link forwards; keep copies of the
-    originals so torchrun's log still shows every line."""
+    originals so torchrun's log still shows every line. A third pipe carries the ledger feed,
+    so the notebook names a mismatch and prints --ledger as for the ranks it forks."""
     outputs, copies = {}, {}
     for kind, fd in (("out", 1), ("err", 2)):
         sys.stdout.flush() if fd == 1 else sys.stderr.flush()
@@ -182,6 +184,10 @@ def _capture_output() -> tuple[dict[str, int], dict[str, int]]:
         os.dup2(w, fd)
         os.close(w)
         outputs[kind] = r
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    ledger_feed.feed_into(w)
+    outputs["led"] = r
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
     return outputs, copies

@@ -64,7 +64,8 @@ class Refused:
 
 @dataclass(frozen=True)
 class Output:
-    """Bytes a served rank wrote to its stdout ("out") or stderr ("err")."""
+    """Bytes a served rank wrote to its stdout ("out") or stderr ("err"), or its ledger feed's
+    lines ("led": one per collective entered, ledger_feed.py)."""
 
     kind: str
     data: bytes

@@ -92,8 +92,6 @@ class CellWatch:
     def mismatch(self) -> Finding | None:
         """A definite mismatch in the ranks' ledgers (mismatch.find), or None; free to ask,
         since the parent holds the ledgers."""
-        if getattr(self.ranks, "ledger", None) is None:
-            return None  # ranks attached over a socket (served.py) send no ledger lines yet
         done = {r: self.ranks.replied_at.get(r, self.started) for r in self.ranks.finished()}
         return find(self.ranks.ledger.calls, done, self.ranks.nprocs, self.ranks.ledger.gaps)
 

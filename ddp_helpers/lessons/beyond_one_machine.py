@@ -242,13 +242,15 @@ def final_params(out_dir: str | os.PathLike) -> torch.Tensor:
 
 def served_agents(pool, nnodes: int = 2, nproc_per_node: int = 1,
                   log_dir: str | os.PathLike | None = None,
-                  envs: list[dict] | None = None) -> list[subprocess.Popen]:
+                  envs: list[dict] | None = None, max_restarts: int = 0
+                  ) -> list[subprocess.Popen]:
     """Start `nnodes` torchrun agents on this machine, as many "nodes" meeting through c10d on
     loopback, whose workers are `python -m ddp_helpers.serve` ranks attached to `pool` (a
     dh.Ranks.listen pool, or the one `pool = %ranks listen N` returned). `envs[n]` is added to agent
     n's environment (e.g. its own CUDA_VISIBLE_DEVICES). Each agent's output goes to
-    agent<N>.log in `log_dir` (a temporary folder by default). Returns the agents; they end
-    when the pool stops."""
+    agent<N>.log in `log_dir` (a temporary folder by default). With `max_restarts`, torchrun
+    restarts a failed group that many times (the fresh workers attach to the same pool).
+    Returns the agents; they end when the pool stops."""
     from ddp_helpers import free_port
 
     envs = envs or [{}] * nnodes
@@ -259,6 +261,7 @@ def served_agents(pool, nnodes: int = 2, nproc_per_node: int = 1,
     for node in range(nnodes):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(logs / f"tr{node}"),
                "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+               "--max-restarts", str(max_restarts),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "served",
                "-m", "ddp_helpers.serve", "--connect", pool.address,
                "--token-file", pool.token_file]
