@@ -47,10 +47,11 @@ def case(label: str, got, expected, rtol: float = 1e-5, atol: float = 1e-6) -> C
     if bool(close.all()):
         return Case(label, True)
     i = int((~close).flatten().nonzero()[0])
-    where = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), got_t.shape)) \
-        if got_t.dim() else ()
-    return Case(label, False, f"at index {where}: got {got_t.flatten()[i].item():.6g}, expected "
-                              f"{exp_t.flatten()[i].item():.6g}")
+    values = f"got {got_t.flatten()[i].item():.6g}, expected {exp_t.flatten()[i].item():.6g}"
+    if got_t.dim() == 0:
+        return Case(label, False, values)  # a number: no index to name
+    where = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), got_t.shape))
+    return Case(label, False, f"at index {where[0] if len(where) == 1 else where}: {values}")
 
 
 def pair_cases(answer, expected: tuple, what: str, labels: tuple[str, str]) -> list[Case]:

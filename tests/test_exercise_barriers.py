@@ -34,7 +34,7 @@ PREPARE_WRONG = {  # label: (answer, text its FAIL must name)
         "rank 1: a slow writer: "),
     "every rank writes": (
         body("    write(path)\n    dist.barrier()"),
-        "a slow writer: calls of write on all ranks together: at index (): got 3, expected 1"),
+        "a slow writer: calls of write on all ranks together: got 3, expected 1"),
     "the last rank writes": (
         body("    if rank == dist.get_world_size() - 1:\n        write(path)\n"
              "    dist.barrier()"),

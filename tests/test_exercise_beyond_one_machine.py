@@ -112,27 +112,27 @@ FORMULA = "return finished - last_checkpoint"
 REDONE_WRONG = {
     "the killed step counted": (edit("steps_redone", "finished = fault_step - 1",
                                      "finished = fault_step"),
-                                "killed at step 13, checkpoint every 5: at index (): got 3, "
+                                "killed at step 13, checkpoint every 5: got 3, "
                                 "expected 2"),
     "always the worst case": (edit("steps_redone", FORMULA, "return ckpt_every - 1"),
-                              "killed at step 13, checkpoint every 5: at index (): got 4"),
+                              "killed at step 13, checkpoint every 5: got 4"),
     "the quotient, not the remainder": (
         edit("steps_redone", FORMULA, "return finished // ckpt_every"),
-        "killed at step 7, checkpoint every 4: at index (): got 1, expected 2"),
+        "killed at step 7, checkpoint every 4: got 1, expected 2"),
     "fault_step % ckpt_every - 1": (
         edit("steps_redone", FORMULA, "return fault_step % ckpt_every - 1"),
-        "killed at step 10, checkpoint every 5: at index (): got -1, expected 4"),
+        "killed at step 10, checkpoint every 5: got -1, expected 4"),
     "the checkpoint at the fault step's multiple": (
         edit("steps_redone", "last_checkpoint = finished // ckpt_every * ckpt_every",
              "last_checkpoint = fault_step // ckpt_every * ckpt_every"),
-        "killed at step 10, checkpoint every 5: at index (): got -1, expected 4"),
+        "killed at step 10, checkpoint every 5: got -1, expected 4"),
     "nothing redone before the first checkpoint": (
         edit("steps_redone", FORMULA,
              "return finished - last_checkpoint if last_checkpoint else 0"),
-        "killed at step 3, checkpoint every 10: at index (): got 0, expected 2"),
+        "killed at step 3, checkpoint every 10: got 0, expected 2"),
     "the interval subtracted": (edit("steps_redone", FORMULA,
                                      "return fault_step - ckpt_every"),
-                                "killed at step 13, checkpoint every 5: at index (): got 8"),
+                                "killed at step 13, checkpoint every 5: got 8"),
 }
 
 REDONE_RIGHT = {

@@ -37,7 +37,7 @@ BUCKET_WRONG = {  # label: (answer, text its FAIL must name)
     "the first gradient only": (
         edit("bucketed_average_gradients", "grads = [p.grad for p in model.parameters()]",
              "grads = [next(model.parameters()).grad]"),
-        "tiny_model: gradients: at index (32,)"),
+        "tiny_model: gradients: at index 32"),
     "a gather to rank 0 and a broadcast": (
         edit("bucketed_average_gradients", ONE,
              "    dist.reduce(bucket, dst=0)\n    dist.broadcast(bucket, src=0)\n"

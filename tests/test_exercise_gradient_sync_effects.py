@@ -27,16 +27,16 @@ def _loop(new: str) -> str:
 AVERAGE_WRONG = {  # label: (answer, text its FAIL must name)
     "the sum, never divided": (
         _loop(LOOP.replace("\n            p /= world_size", "")),
-        f"{ONCE} (0,): got 0.372482, expected 0.124161; it called all_reduce #1 float32[3, 5], "
+        f"{ONCE} 0: got 0.372482, expected 0.124161; it called all_reduce #1 float32[3, 5], "
         "all_reduce #2 float32[3], all_reduce #3 float32[1, 3], all_reduce #4 float32[1]"),
     "divided by 2, the lesson's world size": (
-        _loop(LOOP.replace("p /= world_size", "p /= 2")), f"{ONCE} (0,)"),
+        _loop(LOOP.replace("p /= world_size", "p /= 2")), f"{ONCE} 0:"),
     "the first parameter only": (
         _loop(LOOP.replace("in model.parameters()", "in list(model.parameters())[:1]")),
-        f"{ONCE} (15,)"),
+        f"{ONCE} 15:"),
     "the gradients averaged, not the parameters": (
         _loop(LOOP.replace("all_reduce(p)", "all_reduce(p.grad)").replace("p /=", "p.grad /=")),
-        f"{ONCE} (0,)"),
+        f"{ONCE} 0:"),
     "rank 0's parameters broadcast": (
         _loop(LOOP.replace("dist.all_reduce(p)", "dist.broadcast(p, src=0)")
               .replace("\n            p /= world_size", "")),
@@ -92,22 +92,22 @@ RULE = "base_lr * effective_batch / base_batch"
 LR_WRONG = {  # label: (answer, text its FAIL must name)
     "times the world size only": (
         edit("scaled_lr", RULE, "base_lr * world_size"),
-        "scaled_lr(0.1, 256, 32, 2): at index (): got 0.2, expected 0.025"),
+        "scaled_lr(0.1, 256, 32, 2): got 0.2, expected 0.025"),
     "the batch per rank, not the effective batch": (
         edit("scaled_lr", RULE, "base_lr * batch_per_rank / base_batch"),
-        "scaled_lr(0.05, 64, 64, 4): at index (): got 0.05, expected 0.2"),
+        "scaled_lr(0.05, 64, 64, 4): got 0.05, expected 0.2"),
     "upside down": (edit("scaled_lr", RULE, "base_lr * base_batch / effective_batch"),
-                    "scaled_lr(0.05, 64, 64, 4): at index (): got 0.0125, expected 0.2"),
+                    "scaled_lr(0.05, 64, 64, 4): got 0.0125, expected 0.2"),
     "the square-root rule": (edit("scaled_lr", RULE, "base_lr * (effective_batch / base_batch) "
                                                      "** 0.5"),
-                             "scaled_lr(0.05, 64, 64, 4): at index (): got 0.1, expected 0.2"),
+                             "scaled_lr(0.05, 64, 64, 4): got 0.1, expected 0.2"),
     "integer division of the batches": (
         edit("scaled_lr", RULE, "base_lr * (effective_batch // base_batch)"),
-        "scaled_lr(0.1, 256, 32, 2): at index (): got 0, expected 0.025"),
+        "scaled_lr(0.1, 256, 32, 2): got 0, expected 0.025"),
     "not divided by the base batch": (edit("scaled_lr", RULE, "base_lr * effective_batch"),
-                                      "scaled_lr(0.05, 64, 64, 1): at index (): got 3.2"),
+                                      "scaled_lr(0.05, 64, 64, 1): got 3.2"),
     "divided by the world size": (edit("scaled_lr", RULE, "base_lr / world_size"),
-                                  "scaled_lr(0.05, 64, 64, 4): at index (): got 0.0125"),
+                                  "scaled_lr(0.05, 64, 64, 4): got 0.0125"),
 }
 
 LR_RIGHT = {
@@ -132,7 +132,7 @@ def test_scaling_rules_written_differently_pass(tmp_path):
 
 # ---------------------------------------------------------------- allreduce_calls
 
-SEED = "seed model: Linear(784, 10): at index (): got "
+SEED = "seed model: Linear(784, 10): got "
 
 CALLS_WRONG = {  # label: (prediction, text its FAIL must name)
     "one call per average (flattened)": ((20, 20), SEED + "20, expected 40"),
@@ -140,7 +140,7 @@ CALLS_WRONG = {  # label: (prediction, text its FAIL must name)
     "DDP's 100 gradient all-reduces counted too": ((140, 180), SEED + "140, expected 40"),
     "19 averages": ((38, 76), SEED + "38, expected 40"),
     "21 averages, step 0 too": ((42, 84), SEED + "42, expected 40"),
-    "the MLP counted as three tensors": ((40, 60), "MLP 784-64-10: at index (): got 60"),
+    "the MLP counted as three tensors": ((40, 60), "MLP 784-64-10: got 60"),
     "per average, not in all": ((2, 4), SEED + "2, expected 40"),
     "one number, not a pair": (120, "the answer is a pair (seed model, MLP)"),
 }

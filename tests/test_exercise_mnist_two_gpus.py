@@ -156,7 +156,7 @@ def test_loaders_written_differently_pass(tmp_path):
 
 # ---------------------------------------------------------------- lines_printed
 
-WITHOUT = "lines without the sampler (4 ranks): at index (): "
+WITHOUT = "lines without the sampler (4 ranks): "
 
 LINES_WRONG = {  # label: (prediction, text its FAIL must name)
     "per rank, not in all": ((938, 235), WITHOUT + "got 938, expected 3752"),

@@ -22,11 +22,11 @@ EVEN_WRONG = {  # label: (answer, text its FAIL must name)
         EVEN_2 + "Collectives do not match"),
     "MAX instead of MIN": (
         edit("even_batches", "ReduceOp.MIN", "ReduceOp.MAX"),
-        EVEN_2 + "gradient all-reduces on ranks 0..1: at index (0,): got 3,"
+        EVEN_2 + "gradient all-reduces on ranks 0..1: at index 0: got 3,"
         " expected 2"),
     "SUM instead of MIN": (
         edit("even_batches", "op=dist.ReduceOp.MIN", "op=dist.ReduceOp.SUM"),
-        EVEN_2 + "gradient all-reduces on ranks 0..1: at index (0,): got 5"),
+        EVEN_2 + "gradient all-reduces on ranks 0..1: at index 0: got 5"),
     "min of the list, no collective": (
         edit("even_batches", f"        {MIN}\n", "").replace(
             "torch.tensor([batches_per_rank[rank]], device=device)",
@@ -34,14 +34,14 @@ EVEN_WRONG = {  # label: (answer, text its FAIL must name)
         EVEN_2 + "rank "),  # 0 or 1, whichever raised first: see the test
     "the loss not summed over ranks": (
         edit("even_batches", SUM_LOSS, ""),
-        EVEN_2 + "the loss each rank returned: at index (0,): got 2, "
+        EVEN_2 + "the loss each rank returned: at index 0: got 2, "
         "expected 4"),
     "the loss averaged, not summed": (
         edit("even_batches", SUM_LOSS, SUM_LOSS + "        loss /= world_size\n"),
-        "the loss each rank returned: at index (0,): got 2, expected 4"),
+        "the loss each rank returned: at index 0: got 2, expected 4"),
     "one step too many": (
         edit("even_batches", LOOP, "for _ in range(int(steps.item()) + 1):"),
-        "gradient all-reduces on ranks 0..1: at index (0,): got 3, expected 2"),
+        "gradient all-reduces on ranks 0..1: at index 0: got 3, expected 2"),
 }
 
 BODY = ("        steps = torch.tensor([batches_per_rank[rank]], device=device)\n"

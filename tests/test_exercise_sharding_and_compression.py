@@ -82,7 +82,7 @@ ZERO1_WRONG = {  # label: (answer, text its FAIL must name)
         edits(("    if dist.get_backend()" + REDUCE, ""),
               ("shard.grad = mine / world", "shard.grad = grads.chunk(world)[rank]")),
         MLP + "the gradient optimizer.step() saw: this rank's slice of the mean over the "
-              "ranks: at index (0,)"),
+              "ranks: at index 0"),
     "never gathers the other slices": (
         edit("zero1", GATHER, "    gathered = [shard.detach()] * world\n"),
         MLP + "collectives after optimizer.step(): called no collective; expected one "
@@ -95,7 +95,7 @@ ZERO1_WRONG = {  # label: (answer, text its FAIL must name)
     "takes the mirrored rank's slice": (
         edit("zero1", "return flat[rank * size:(rank + 1) * size]",
              "return flat[(world - 1 - rank) * size:(world - rank) * size]"),
-        MLP + "make_shard(model): this rank's slice: at index (0,)"),
+        MLP + "make_shard(model): this rank's slice: at index 0"),
     "rebinds the loop variable instead of copying": (
         edit("zero1", "p.copy_(flat[offset:offset + p.numel()].view_as(p))",
              "p = flat[offset:offset + p.numel()].view_as(p)"),

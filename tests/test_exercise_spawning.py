@@ -37,12 +37,12 @@ ROOT_WRONG = {
         edit("root_cause_rank", "return min(own) if own else None",
              "return own[0] if own else None"), "errors {3: \"KeyError: 'lr'\""),
     "the highest": (edit("root_cause_rank", "min(own)", "max(own)"),
-                    "'Connection Reset by peer'}: at index (): got 3, expected 1"),
+                    "'Connection Reset by peer'}: got 3, expected 1"),
     "letter case matters": (edit("root_cause_rank", LOWER,
                                  "if not any(word in message for word in "
                                  "('Connection reset', 'Connection closed', 'timed out'))"),
                             "errors {3: \"KeyError: 'lr'\", 1: 'ValueError: corrupt batch', "
-                            "0: 'Connection Reset by peer'}: at index (): got 0, expected 1"),
+                            "0: 'Connection Reset by peer'}: got 0, expected 1"),
     "rank 0 when every error is a knock-on": (
         edit("root_cause_rank", "return min(own) if own else None",
              "return min(own) if own else min(errors)"), "got 0, expected None"),

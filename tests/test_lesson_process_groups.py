@@ -164,7 +164,7 @@ def test_check_collective_names_the_first_wrong_rank(capsys):
     after = [torch.tensor([3.0]), torch.tensor([2.0])]
     assert not lesson.check_collective("all_reduce SUM", before, after)
     out = capsys.readouterr().out
-    assert "FAIL all_reduce SUM: rank 1: at index (0,): got 2, expected 3" in out
+    assert "FAIL all_reduce SUM: rank 1: at index 0: got 2, expected 3" in out
 
 
 @pytest.mark.parametrize("world", ["two", "three"])
