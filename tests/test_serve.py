@@ -68,7 +68,7 @@ def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path):
     # Served ranks send their ledger lines over the connection: --ledger's record and the
     # mismatch naming work as for the ranks the kit forks.
     pool = dh.Ranks.listen(2, timeout=60)
-    agents = lesson.served_agents(pool, nnodes=2, nproc_per_node=1, log_dir=tmp_path)
+    agents = lesson.served_agents(pool, log_dir=tmp_path, max_restarts=1)
     try:
         pool.wait_ready(HANG_GUARD, progress=False)
         pool.run("t = torch.ones(3)\ndist.all_reduce(t)\ndist.broadcast(t, src=0)",
@@ -84,7 +84,15 @@ def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path):
         text = str(info.value)
         assert "rank 0 is in all_reduce #1 float32[4] (In [5], line 4)" in text
         assert "rank 1 is in broadcast #1 float32[4] (In [5], line 6)" in text
-        assert "torchrun agent ended" in text
+        assert "torchrun restarts the workers" in text
+        # A shape mismatch after a loop of matching calls: gloo aborts a rank within
+        # milliseconds, and each line left the rank before its collective began.
+        with pytest.raises(dh.CollectiveMismatch) as info:
+            pool.run("for step in range(11):\n    t = torch.ones(4 + (rank if step == 10 else 0))"
+                     "\n    dist.all_reduce(t)", label="In [6]", first_line=2,
+                     timeout=HANG_GUARD, output="none")
+        assert "float32[4] on rank 0, float32[5] on rank 1" in str(info.value)
+        assert "all_reduce #11" in str(info.value)
         codes = lesson.agents_ended(agents, timeout=HANG_GUARD)
         assert None not in codes  # the mismatch ended the jobs: nothing left behind
     finally:

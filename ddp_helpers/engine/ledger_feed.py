@@ -15,11 +15,18 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Callable
 
 from ..ledger import Call
 
 _PIPE_BUF = 4096  # a pipe write up to this size is all or nothing, even non-blocking
 _PIPE_SIZE = 1 << 20  # Linux's default /proc/sys/fs/pipe-max-size
+
+
+def encode(call: Call) -> bytes:
+    """A call as one JSON line (what LedgerReader.feed reads)."""
+    return json.dumps([call.seq, call.op, call.group, call.shapes, call.dtypes, call.nbytes,
+                       call.where[0], call.where[1], call.peer]).encode() + b"\n"
 
 
 class Feed:
@@ -35,8 +42,7 @@ class Feed:
         self.dropped = 0
 
     def __call__(self, call: Call) -> None:
-        line = json.dumps([call.seq, call.op, call.group, call.shapes, call.dtypes, call.nbytes,
-                           call.where[0], call.where[1], call.peer]).encode() + b"\n"
+        line = encode(call)
         if self.dropped:
             line = json.dumps(["dropped", self.dropped]).encode() + b"\n" + line
         try:
@@ -46,19 +52,19 @@ class Feed:
             self.dropped += 1
 
 
-_feed: Feed | None = None
+_feed: Callable[[Call], None] | None = None
 
 
-def feed_into(fd: int) -> None:
-    """Make fd this rank's feed: a served rank (served_rank.py) has no pipe from the kit, so it
-    makes one and forwards what arrives over its connection."""
+def feed_with(on_call: Callable[[Call], None]) -> None:
+    """Make on_call this rank's feed: a served rank (served_rank.py) has no ledger pipe, and
+    sends each line over its connection itself."""
     global _feed
-    _feed = Feed(fd)
+    _feed = on_call
 
 
-def feed() -> Feed | None:
+def feed() -> Callable[[Call], None] | None:
     """This rank's feed (None outside a rank the kit started with a ledger pipe, or that
-    called feed_into)."""
+    called feed_with)."""
     global _feed
     if _feed is None:
         from .rank_entry import _current

@@ -43,7 +43,9 @@ def numbered(calls: list[Timed]) -> list[Timed]:
         if call.op in POINT_TO_POINT:
             continue
         count[call.group] = count.get(call.group, 0) + 1
-        out.append((dataclasses.replace(call, seq=count[call.group]), t))
+        if call.seq != count[call.group]:  # send/recv came before it in its group
+            call = dataclasses.replace(call, seq=count[call.group])
+        out.append((call, t))
     return out
 
 

@@ -19,6 +19,10 @@ from .supervisor import Failure, Priority, RankSet
 SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arrives within this
 STALL_SECONDS = 3.0  # a rank waiting this long in a collective that cannot complete is stuck
 SUBGROUP_SECONDS = 10.0  # a mismatch within a learner's group: named after this, not at once
+# How often a running cell's ledgers are compared: the wait loop turns on every message, and
+# served ranks send one batch of ledger lines every 50 ms; comparing thousands of calls at each
+# turn would take the CPU the ranks need.
+_COMPARE_SECONDS = 0.25
 _POLL_SECONDS = 0.25  # the longest the loop sleeps before re-checking deadlines
 
 
@@ -73,6 +77,7 @@ class CellWatch:
         self.started = time.monotonic()
         self.seen: dict[int, Where | None] = {}
         self._cpu: dict[int, tuple[float, float]] = {}
+        self._compared = 0.0  # when mismatched() last compared the ledgers
 
     def unfinished(self) -> list[int]:
         """The targets that have not replied yet."""
@@ -98,6 +103,10 @@ class CellWatch:
     def mismatched(self) -> bool:
         """A definite mismatch, and the ranks it involves have stopped moving (blocked, not
         computing): asked only once the ledgers show one, so a sound cell costs no question."""
+        now = time.monotonic()
+        if now - self._compared < _COMPARE_SECONDS:
+            return False
+        self._compared = now
         f = self.mismatch()
         if f is None:
             return False
