@@ -82,6 +82,7 @@ class Call:
     nbytes: int
     where: tuple[str, int] = ("?", 0)
     peer: int | None = None  # send/recv: the other rank, where torch passes it
+    root: int | None = None  # broadcast/reduce/gather/scatter: src or dst, as a group rank
 
     def tensors(self) -> str:
         """'float32[4]', or 'float32[4], float32[2, 3]' for a list; '' for a barrier."""
@@ -143,7 +144,7 @@ class Ledger(TorchDispatchMode):
                     tuple(tuple(t.shape) for t in tensors),
                     tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
                     sum(t.numel() * t.element_size() for t in tensors), caller(),
-                    _peer(name, args))
+                    _peer(name, args), _root(namespace, name, args))
         self.calls.append(call)
         if self.on_call is not None:
             self.on_call(call)
@@ -266,6 +267,24 @@ def _pg_by_name(name: str):
         return _resolve_process_group(name)
     except (ImportError, RuntimeError, ValueError, KeyError):
         return None
+
+
+_ROOT_AT: dict[str, int | None] = {}  # c10d op -> the position of its root_rank argument
+
+
+def _root(namespace: str, name: str, args: tuple) -> int | None:
+    """The root (src or dst) a rooted c10d op was given, as a rank of its group; found by the
+    schema's argument name, whose position differs between ops."""
+    if namespace != "c10d":
+        return None
+    if name not in _ROOT_AT:
+        try:
+            names = [a.name for a in getattr(torch.ops.c10d, name).default._schema.arguments]
+        except (AttributeError, RuntimeError):
+            names = []
+        _ROOT_AT[name] = names.index("root_rank") if "root_rank" in names else None
+    at = _ROOT_AT[name]
+    return args[at] if at is not None and at < len(args) and isinstance(args[at], int) else None
 
 
 def _peer(name: str, args: tuple) -> int | None:

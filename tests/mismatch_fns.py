@@ -27,4 +27,6 @@ def mismatched(rank: int, world_size: int, kind: str) -> int:
         elif kind == "group":
             g = dist.new_group([0, 1])
             dist.all_reduce(t, group=g if rank == 1 else None)
+        elif kind == "roots":
+            dist.broadcast(t, src=rank)
         return rank

@@ -27,6 +27,10 @@ CELLS = {
     "dtypes": ("t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)\n"
                "dist.all_reduce(t)",
                ["float32[4] on rank 0, float64[4] on rank 1"]),
+    "roots": ("t = torch.ones(4) * rank\ndist.broadcast(t, src=rank)",
+              ["rank 0 is in broadcast #1 float32[4] (In [5], line 3)",
+               "rank 1 is in broadcast #1 float32[4] (In [5], line 3)",
+               "a different root on each rank: 0 on rank 0, 1 on rank 1"]),
     "fewer": ("t = torch.ones(4)\nfor step in range(4 - rank):\n    dist.all_reduce(t)",
               ["rank 0 is in all_reduce #4 float32[4] (In [5], line 4)",
                "rank 1 finished the cell after 3 collectives (3 against 4)"]),
@@ -67,6 +71,7 @@ def test_a_mismatch_in_a_cell_is_named_and_the_next_cell_works(pool, kind):
 def test_a_sound_cell_with_many_collectives_is_not_called_a_mismatch(pool):
     code = ("g = dist.new_group([0, 1])\nt = torch.ones(3)\nfor i in range(50):\n"
             "    dist.all_reduce(t, group=g if i % 2 else None)\n"
+            "    dist.broadcast(t, src=i % 2)\n"
             "    if rank == 0:\n        dist.send(t, 1)\n    else:\n        dist.recv(t, 0)\n"
             "dist.barrier()\nint(t[0])")
     assert pool.run(code) == [pool.run(code)[0]] * 2
@@ -80,6 +85,7 @@ def test_a_sound_cell_with_many_collectives_is_not_called_a_mismatch(pool):
                "(3 against 4)"]),
     ("never", ["rank 0 is in barrier #1", "rank 1 returned without calling it"]),
     ("group", ["in the world group", "in ranks [0, 1]"]),
+    ("roots", ["a different root on each rank: 0 on rank 0, 1 on rank 1"]),
 ])
 def test_a_mismatch_in_a_launched_function_is_named(no_leftovers, kind, expected):
     with pytest.raises(dh.CollectiveMismatch, match=r"^Collectives do not match") as e:

@@ -26,7 +26,7 @@ _PIPE_SIZE = 1 << 20  # Linux's default /proc/sys/fs/pipe-max-size
 def encode(call: Call) -> bytes:
     """A call as one JSON line (what LedgerReader.feed reads)."""
     return json.dumps([call.seq, call.op, call.group, call.shapes, call.dtypes, call.nbytes,
-                       call.where[0], call.where[1], call.peer]).encode() + b"\n"
+                       call.where[0], call.where[1], call.peer, call.root]).encode() + b"\n"
 
 
 class Feed:
@@ -104,7 +104,7 @@ class LedgerReader:
             if item and item[0] == "dropped":
                 self.gaps.add(rank)
                 continue
-            seq, op, group, shapes, dtypes, nbytes, path, lineno, peer = item
+            seq, op, group, shapes, dtypes, nbytes, path, lineno, peer, root = item
             call = Call(seq, op, group, tuple(tuple(s) for s in shapes), tuple(dtypes), nbytes,
-                        (path, lineno), peer)
+                        (path, lineno), peer, root)
             self.calls.setdefault(rank, []).append((call, now))

@@ -5,8 +5,9 @@ Collectives pair by their number in their group: the k-th collective of a group 
 meets the k-th on every other member. So the rule is: take a rank that sits in its k-th
 collective of group g and look at every other member's k-th in g. A different op (or the same
 ops in another order), different shapes or dtypes, no k-th because the member finished with
-fewer (or none), or a member that sits in a collective of another group: each is a definite
-mismatch. Send and recv pair by peer, not by number, so they are left out of the numbering.
+fewer (or none), another root (src or dst) for the same broadcast, reduce, gather or
+scatter, or a member that sits in a collective of another group: each is a definite mismatch.
+Send and recv pair by peer, not by number, so they are left out of the numbering.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ Timed = tuple[Call, float]  # a call and the parent's monotonic time when it arr
 class Finding:
     """A definite mismatch: `rank` sits in `call`; `other` differs as `kind` says."""
 
-    kind: str  # "ops" | "shapes" | "fewer" | "never" | "group"
+    kind: str  # "ops" | "shapes" | "roots" | "fewer" | "never" | "group"
     rank: int
     other: int
     call: Call  # numbered among the group's collectives (send/recv left out)
@@ -83,7 +84,8 @@ def _compare(rank: int, call: Call, t: float, other: int, theirs: list[Timed],
     if len(same_group) >= call.seq:
         peer, s = same_group[call.seq - 1]
         kind = ("ops" if peer.op != call.op else
-                "shapes" if peer.tensors() != call.tensors() else None)
+                "shapes" if peer.tensors() != call.tensors() else
+                "roots" if peer.root != call.root else None)
         return None if kind is None else Finding(kind, rank, other, call, peer,
                                                  len(same_group), max(t, s))
     if other in done:
@@ -100,7 +102,7 @@ def explain(f: Finding, nprocs: int, place: Callable[[tuple[str, int]], str], no
     """The learner's paragraph: what each of the two ranks is in, side by side, then why."""
     world = " in the world group" if f.kind == "group" else ""
     mine = f"rank {f.rank} is in {_text(f.call, world)} ({place(f.call.where)})"
-    if f.kind in ("ops", "shapes", "group"):
+    if f.kind in ("ops", "shapes", "group", "roots"):
         theirs = (f"rank {f.other} is in {_text(f.other_call, world)} "
                   f"({place(f.other_call.where)})")
     else:
@@ -113,7 +115,8 @@ def explain(f: Finding, nprocs: int, place: Callable[[tuple[str, int]], str], no
             f"{mine}; {theirs}.")
     return head + " " + _WHY[f.kind].format(r=f.rank, o=f.other, a=f.call.tensors() or "none",
                                             b=f.other_call.tensors() if f.other_call else "",
-                                            op=f.call.op, g=f.call.group)
+                                            op=f.call.op, g=f.call.group, ra=f.call.root,
+                                            rb=f.other_call.root if f.other_call else None)
 
 
 def _text(call: Call, world: str) -> str:
@@ -126,6 +129,9 @@ _WHY = {
             "the same ops in another order."),
     "shapes": ("The same collective got different tensors: {a} on rank {r}, {b} on rank {o}. "
                "Every rank must hand in the same shapes and dtypes."),
+    "roots": ("The same {op} was given a different root on each rank: {ra} on rank {r}, {rb} on "
+              "rank {o} (ranks of its group). Every rank must pass the same src (dst for reduce "
+              "and gather), the one rank that holds or receives the data, not its own rank."),
     "fewer": ("Rank {o} made fewer calls, so rank {r}'s {op} has no partner: every rank must "
               "make the same number of collectives (a loop or an `if` that depends on the "
               "rank?)."),
