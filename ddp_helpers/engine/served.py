@@ -30,6 +30,7 @@ from .supervisor import Failure, Priority, ReplyPolicy
 from .watch import Outcome
 
 _READ_AT_ONCE = 1000  # the most messages poll() reads from one rank before it returns
+_LINES_GRACE_SECONDS = 0.25  # after a death, how long the others' ledger lines may take
 _STOP_SECONDS = 5.0  # how long served ranks told to Stop may take to close their connections
 
 
@@ -286,7 +287,10 @@ class ServedRanks(Ranks):
         if outcome in (Outcome.TIMEOUT, Outcome.STALLED) or failure is None or failure.raised:
             return super()._failed(outcome, watch, timeout, starting)
         # A closed connection is all a served rank's death shows, and gloo aborting a rank
-        # whose collective's sizes did not fit is one: where the ledgers explain it, say that.
+        # whose collective's sizes did not fit is one: where the ledgers explain it, say that,
+        # once the other ranks' last lines (sent before the data that killed it, but over
+        # another connection) have had a moment to arrive.
+        self._set.drain_output(_LINES_GRACE_SECONDS)
         mismatch = self._mismatch(outcome, failure, watch, may_be_abort=Priority.DIED)
         if mismatch is not None:
             return mismatch

@@ -161,7 +161,12 @@ def connect(address: str, seconds: float, token_file: str | None = None) -> sock
     deadline = time.monotonic() + seconds
     while True:
         try:
-            return socket.create_connection((host, port), timeout=10)
+            sock = socket.create_connection((host, port), timeout=10)
+            # Each ledger line goes out as it is sent: with Nagle's algorithm a small send
+            # waits for the ACK of the one before (up to 40 ms, delayed), and a peer that
+            # gloo aborts meanwhile is reported before the line that explains it arrives.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
         except OSError as e:
             if token_file is not None and not os.path.exists(token_file):
                 raise SystemExit(f"ddp_helpers.serve: {token_file} is gone: the notebook "
