@@ -29,7 +29,6 @@ from .sockets import Hello, Output, Setup, restarts_left
 from .supervisor import Failure, Priority, ReplyPolicy
 from .watch import Outcome
 
-_READ_AT_ONCE = 1000  # the most messages poll() reads from one rank before it returns
 _LINES_GRACE_SECONDS = 0.25  # after a death, how long the others' ledger lines may take
 _STOP_SECONDS = 5.0  # how long served ranks told to Stop may take to close their connections
 
@@ -69,12 +68,6 @@ class ServedSet(ReplyPolicy):
         ready = multiprocessing.connection.wait(list(live), max(until - time.monotonic(), 0))
         for chan in ready:
             self._read(live[chan])
-            # and what else has arrived: a rank sends a ledger line per collective, and a turn
-            # of the wait loop per line would cost the CPU the ranks need
-            for _ in range(_READ_AT_ONCE):
-                if live[chan] in self.exitcodes or not chan.poll(0):
-                    break
-                self._read(live[chan])
 
     def _read(self, rank: int) -> None:
         try:

@@ -20,8 +20,8 @@ SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arri
 STALL_SECONDS = 3.0  # a rank waiting this long in a collective that cannot complete is stuck
 SUBGROUP_SECONDS = 10.0  # a mismatch within a learner's group: named after this, not at once
 # How often a running cell's ledgers are compared: the wait loop turns on every message, and
-# served ranks send one batch of ledger lines every 50 ms; comparing thousands of calls at each
-# turn would take the CPU the ranks need.
+# served ranks send one ledger line per collective; comparing thousands of calls at each turn
+# would take the CPU the ranks need.
 _COMPARE_SECONDS = 0.25
 _POLL_SECONDS = 0.25  # the longest the loop sleeps before re-checking deadlines
 
