@@ -192,14 +192,21 @@ def _targets(text: str | None) -> list[int] | None:
                             "e.g. --targets 0,1.") from None
 
 
+def prompt_number(ipython) -> int:
+    """The number the running cell's prompt shows (`In [5]`, the execute_input count).
+    IPython 9 has already counted the next cell by the time this one runs
+    (`execution_count` is 6 inside `In [5]`); IPython 8 counts after it. The display hook's
+    prompt_count is the prompt's number in both."""
+    return ipython.displayhook.prompt_count
+
+
 def load_ipython_extension(ipython) -> None:
     """Register %ranks / %%ranks (called by `%load_ext ddp_helpers`)."""
 
     def ranks(line: str, cell: str | None = None):
         if cell is None:
             return ranks_line(line)
-        # IPython numbers the cell it runs by execution_count: the "In [5]" the learner sees.
-        return ranks_cell(line, cell, ipython.user_ns, f"In [{ipython.execution_count}]")
+        return ranks_cell(line, cell, ipython.user_ns, f"In [{prompt_number(ipython)}]")
 
     ranks.__doc__ = HELP  # what `%ranks?` and `%%ranks?` show
     ipython.register_magic_function(ranks, magic_kind="line_cell", magic_name="ranks")
