@@ -15,7 +15,7 @@ def shell(no_leftovers):
     pool = ranks_module.current()
     if pool is not None:
         pool.stop()
-    ranks_module._current = None
+    ranks_module.forget_current()
 
 
 def run(ip, source):
@@ -121,7 +121,7 @@ def test_bad_start_lines_are_refused(shell, line, match):
 
 
 def test_a_ranks_cell_before_start_says_how_to_start(shell):
-    ranks_module._current = None
+    ranks_module.forget_current()
     err = run(shell, "%%ranks\n1")
     assert isinstance(err, dh.LaunchRefused) and "%ranks start 2" in str(err)
 

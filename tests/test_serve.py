@@ -20,9 +20,11 @@ import time
 import pytest
 
 import ddp_helpers as dh
-from ddp_helpers.engine import auth, served_rank
-from ddp_helpers.engine.listen import Attached, Listener
-from ddp_helpers.engine.sockets import Hello, Setup, channel, parse_address, recv_small
+from ddp_helpers.engine.rank import serve as served_rank
+from ddp_helpers.engine.wire import auth
+from ddp_helpers.engine.sets.listener import Attached, Listener
+from ddp_helpers.engine.wire.channel import over_socket, parse_address
+from ddp_helpers.engine.wire.messages import Hello, Setup
 from ddp_helpers.lessons import beyond_one_machine as lesson
 
 HANG_GUARD = 240  # seconds: only stops a hung run, never a pass/fail criterion
@@ -105,10 +107,10 @@ def _hello_from(pool, hello: Hello):
     host, port = parse_address(pool.address)
     sock = socket.create_connection((host, port), timeout=10)
     auth.answer_challenge(sock, auth.read_token(pool.token_file), seconds=10)
-    chan = channel(sock)
+    chan = over_socket(sock)
     try:
         chan.send(hello)
-        return recv_small(chan, 10)
+        return chan.recv_small(10)
     finally:
         chan.transport.close()
 
