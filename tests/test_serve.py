@@ -66,7 +66,7 @@ def test_two_torchrun_nodes_attach_run_collectives_and_report_a_killed_worker(tm
         lesson.agents_ended(agents, timeout=30)
 
 
-def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path):
+def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path, capsys):
     # Served ranks send their ledger lines over the connection: --ledger's record and the
     # mismatch naming work as for the ranks the kit forks.
     pool = dh.Ranks.listen(2, timeout=60)
@@ -79,6 +79,13 @@ def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path):
         assert [[c.text() for c in calls[r]] for r in (0, 1)] == \
             [["all_reduce #1 float32[3]", "broadcast #2 float32[3]"]] * 2
         assert pool.place(calls[1][1].where) == "In [4], line 4"
+        # Looking inside served ranks works as for forked ones: post-mortem, where, compare.
+        with pytest.raises(dh.RankRaised):
+            pool.run("y = t * rank\nif rank == 1:\n    raise KeyError('y')", output="none")
+        assert "keeps for post-mortem (%ranks debug 1): KeyError" in str(pool.where())
+        pool.debug(1, commands=["p y", "q"])
+        assert "(Pdb rank 1) p y\ntensor([2., 2., 2.])" in capsys.readouterr().out
+        assert pool.compare("t", "y").differs == ["y"]
         with pytest.raises(dh.CollectiveMismatch) as info:
             pool.run("t = torch.ones(4)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n"
                      "    dist.broadcast(t, src=0)", label="In [5]", first_line=2,

@@ -39,7 +39,7 @@ class Command:
     usage: str  # how it is written, e.g. "%ranks start N"
     help: str
     options: tuple[Option, ...] = ()
-    takes_count: bool = False  # a number of ranks after the subcommand
+    takes: str = ""  # what follows it: "count" (N ranks), "rank" (an optional R), "names"
     examples: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -52,7 +52,7 @@ _OUTPUT = Option("--output", "how the ranks' prints are shown (live: as they com
 
 COMMANDS: dict[str, Command] = {
     "start": Command("%ranks start N", "start N ranks (each with a process group), e.g. "
-                     "%ranks start 2", takes_count=True, options=(
+                     "%ranks start 2", takes="count", options=(
                          _BACKEND, _TIMEOUT,
                          Option("--no-group", "start the ranks without a process group",
                                 default=True),
@@ -64,7 +64,7 @@ COMMANDS: dict[str, Command] = {
                        "start over)"),
     "stop": Command("%ranks stop", "stop every rank"),
     "listen": Command("%ranks listen N", "wait for N ranks that torchrun/srun starts "
-                      "elsewhere; prints the command lines to paste", takes_count=True, options=(
+                      "elsewhere; prints the command lines to paste", takes="count", options=(
                           Option("--host", "the address to listen on (loopback unless said)",
                                  "H", default="127.0.0.1"),
                           Option("--port", "the port (0: a free one)", "P", default=0,
@@ -74,6 +74,16 @@ COMMANDS: dict[str, Command] = {
                           _TIMEOUT, _BACKEND, _OUTPUT,
                           Option("--token-file", "keep the token in this file (mode 0600)",
                                  "PATH"))),
+    "debug": Command("%ranks debug [R]", "pdb post-mortem on rank R's last failing cell (R: the "
+                     "rank that failed first); after the kit stopped the ranks, R's stack and "
+                     "variables then", takes="rank", options=(
+                         Option("--commands", "pdb commands to run, separated by ;; (instead "
+                                "of typing them)", "'p x;; up'"),)),
+    "where": Command("%ranks where", "every rank's stack, each frame's variables summarised "
+                     "(after a stop: as they were then)"),
+    "compare": Command("%ranks compare NAME [NAME ...]", "each value on every rank (tensors, "
+                       "modules, optimizers, numbers, lists): dtype, shape, a digest, the same "
+                       "or not, and the first element that differs", takes="names"),
     "cell": Command("%%ranks", "run the cell on the ranks; `rank`, `world_size`, `device`, "
                     "`torch`, `dist`, `nn` are defined", options=(
                         Option("--targets", "only these ranks (a collective then needs all of "
@@ -130,7 +140,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises LaunchRefused (a clear message, nothing run) instead of exiting."""
 
     def __init__(self, name: str):
-        super().__init__(prog=COMMANDS[name].usage.split(" N")[0], add_help=False)
+        super().__init__(prog=COMMANDS[name].usage.split(" [")[0].split(" N")[0],
+                         add_help=False)
         self.command = name
 
     def error(self, message: str):
@@ -143,8 +154,12 @@ def parse(name: str, words: list[str]) -> argparse.Namespace:
     one); refused with the command's usage."""
     cmd = COMMANDS[name]
     p = _Parser(name)
-    if cmd.takes_count:
+    if cmd.takes == "count":
         p.add_argument("nprocs", nargs="?", default=None)
+    elif cmd.takes == "rank":
+        p.add_argument("rank", nargs="?", default=None)
+    elif cmd.takes == "names":
+        p.add_argument("names", nargs="*")
     for o in cmd.options:
         if not o.metavar:
             p.add_argument(o.flag, dest=o.dest, action="store_false" if o.default else
@@ -156,9 +171,21 @@ def parse(name: str, words: list[str]) -> argparse.Namespace:
             p.add_argument(o.flag, dest=o.dest, default=o.default, metavar=o.metavar,
                            choices=o.choices or None, type=o.number)
     args = p.parse_args(words)
-    if cmd.takes_count:
+    if cmd.takes == "count":
         args.nprocs = _count(name, args.nprocs)
+    elif cmd.takes == "rank" and args.rank is not None:
+        args.rank = _rank(name, args.rank)
+    elif cmd.takes == "names" and not args.names:
+        raise LaunchRefused(f"%ranks {name}: name what to compare, e.g. `%ranks {name} model x`.")
     return args
+
+
+def _rank(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise LaunchRefused(f"%ranks {name} {text}: give a rank number, e.g. "
+                            f"`%ranks {name} 1`.") from None
 
 
 def split(line: str) -> list[str]:

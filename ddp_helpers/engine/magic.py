@@ -22,7 +22,8 @@ HELP = commands.help_text()
 
 
 def ranks_line(line: str) -> object:
-    """%ranks start N | stop | restart | status | listen N | --help."""
+    """%ranks start N | stop | restart | status | listen N | debug [R] | where | compare NAME
+    ... | --help."""
     if commands.wants_help(line):
         print(HELP)
         return None
@@ -40,7 +41,14 @@ def ranks_line(line: str) -> object:
     pool = current()
     if pool is None:
         raise LaunchRefused(f"%ranks {name}: no ranks were started. {commands.usage('start')}")
-    if name == "stop":
+    if name == "debug":
+        commands_ = args.commands.split(";;") if args.commands else None
+        pool.debug(args.rank, [c.strip() for c in commands_] if commands_ else None)
+    elif name == "where":
+        return pool.where()
+    elif name == "compare":
+        return pool.compare(*args.names)
+    elif name == "stop":
         pool.stop()
         print(f"ddp_helpers: the {pool.nprocs} ranks were stopped. To use them again (the "
               f"exercises' %%ranks cells need them), run {start_command()}.")
@@ -76,8 +84,20 @@ def _listen(args) -> Ranks:
     print(f"listening on {pool.address} for {args.nprocs} ranks (token in {pool.token_file}).\n"
           f"Start them with torchrun (on each of the {args.nodes} node(s)):\n"
           f"  {lines['torchrun']}\nor inside a Slurm allocation:\n  {lines['srun']}\n"
+          + _loopback_note(pool, args.nodes) +
           "The next %%ranks cell waits until every rank is connected.")
     return pool
+
+
+def _loopback_note(pool: Ranks, nodes: int) -> str:
+    """Lines with a loopback address work on this machine only: say so where that matters."""
+    if nodes == 1 or not pool.address.startswith(("127.", "localhost", "[::1]", "::1")):
+        return ""
+    return ("These lines reach the notebook at a loopback address, so they work on this "
+            "machine only (two torchrun \"nodes\" here, as lesson 08 runs them). For other "
+            "machines, listen on an address they can reach: `%ranks listen N --host 0.0.0.0` "
+            "and give --connect this machine's name; HEAD_NODE:29500 is torchrun's rendezvous "
+            "on node 0, any free port.\n")
 
 
 def ranks_cell(line: str, cell: str, user_ns: dict, label: str | None = None) -> None:

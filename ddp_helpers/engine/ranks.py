@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..ledger import Call
+from . import debugging
 from .live_view import LiveView, display_factory
 from .options import check_cell, check_pool, check_push
+from .rules.mismatch import unmatched
 from .rules.wait import CellWatch, Evidence, Outcome, give_up_once_settled, wait
 from .sets.base import RankSet
 from .sets.census import pid_alive
@@ -27,6 +29,7 @@ from .starters import Fork, Listen
 from .wire.messages import Hello, Push, Ready, RunCell
 from .words import failures
 from .words.errors import LaunchError, LaunchRefused
+from .words.mismatch import unmatched_warning
 from .words.places import Labels
 
 _current: Ranks | None = None  # the pool `%%ranks` cells and dh.check(...) use
@@ -76,6 +79,10 @@ class Ranks:
         self.cells_run = 0
         self.labels = Labels()  # the cells the magic named: "<cell 12>" -> "In [5]"
         self.stopped_because: str | None = None  # why the ranks are not running, if they are not
+        self.failed: dict[int, str] = {}  # rank -> the cell whose failure it keeps ("In [7]")
+        self.first_failed: int | None = None  # the rank that failed first in the last failure
+        self.snapshot = None  # each rank's stack when the kit last stopped them (Snapshot)
+        self._cell: str | None = None  # the cell being run, as the learner names it
         self._finalizer = None  # stops the ranks if the pool is dropped
         self._starter.prepare(self)
         if self._starter.starts_at_once:
@@ -108,6 +115,7 @@ class Ranks:
         """Take `ranks` (a starter's) as this pool's, and wait `seconds` for each's Ready."""
         self._set = ranks
         self._finalizer = weakref.finalize(self, ranks.shutdown)
+        self.failed, self.first_failed, self.snapshot = {}, None, None
         self._info = self._request(None, list(range(self.nprocs)), seconds, self.output,
                                    starting=True)
         self.stopped_because = None
@@ -161,8 +169,12 @@ class Ranks:
         self._starter.before_cell(self)
         self.cells_run += 1
         self.labels.name(f"<cell {self.cells_run}>", label)
-        replies = self._request(RunCell(self.cells_run, code, tuple(returns or ()), first_line),
-                                targets, timeout, output)
+        self._cell = self.labels.cell(f"<cell {self.cells_run}>")
+        try:
+            replies = self._request(RunCell(self.cells_run, code, tuple(returns or ()),
+                                            first_line), targets, timeout, output)
+        finally:
+            self._cell = None
         if returns is None:
             return [reply.value for reply in replies]
         return [CellResult(reply.value, reply.returned) for reply in replies]
@@ -183,6 +195,35 @@ class Ranks:
         targets = check_push(values, targets, self.nprocs)
         self._starter.before_cell(self)
         self._request(Push(values), targets, self.timeout, self.output)
+
+    # -- looking inside the ranks (debugging.py) ---------------------------------------------
+
+    def debug(self, rank: int | None = None, commands: list[str] | None = None) -> None:
+        """pdb post-mortem on rank `rank`'s last failing cell (default: the rank that failed
+        first), commands read through input() (the notebook's input box) or from `commands`;
+        `q` or two empty lines leave it, and every rank keeps its state. After the kit stopped
+        the ranks: what that rank held then (its stack, each frame's variables), read-only."""
+        debugging.post_mortem(self, rank, commands)
+
+    def where(self):
+        """Every rank's stack now, each frame's variables summarised (after the kit stopped
+        the ranks: as they were then); prints as a report, indexes as {rank: Stack}."""
+        return debugging.where(self)
+
+    def compare(self, *expressions: str):
+        """Each value (a name or an expression: a tensor, a module, an optimizer, a list, a
+        number) on every rank: dtype, shape and a digest per rank, whether all ranks hold the
+        same bytes, and where the first differing tensor differs."""
+        if not expressions or not all(isinstance(e, str) and e.strip() for e in expressions):
+            raise LaunchRefused("compare: name what to compare, e.g. pool.compare('model', "
+                                "'x') (%ranks compare model x).")
+        return debugging.compare(self, expressions)
+
+    def _run_command(self, command) -> list:
+        """Send one command to every rank; each rank's Ok value, in rank order."""
+        self._starter.before_cell(self)
+        return [reply.value for reply in self._request(command, list(range(self.nprocs)),
+                                                       self.timeout, "none")]
 
     def collectives(self) -> dict[int, list[Call]]:
         """The collectives and send/recv calls each rank made in the last cell, in order, as
@@ -278,6 +319,7 @@ class Ranks:
         except BaseException:
             view.close()
             evidence = watch.evidence(Outcome.INTERRUPTED)
+            self._snapshot()
             stopped = self._drop(evidence, polite=True)
             print(f"ddp_helpers: {failures.stopped(stopped, self._where(evidence))}", flush=True)
             raise
@@ -285,19 +327,46 @@ class Ranks:
         ranks.drain_output()
         ranks.relay.flush()
         if outcome is Outcome.DONE and ranks.failure() is None:
+            if isinstance(command, RunCell):
+                self._warn_unmatched(targets)
             replies = ranks.replies()
             return [replies[r] for r in targets]
         raise self._failed(watch.evidence(outcome), timeout, starting)
+
+    def _warn_unmatched(self, targets: list[int]) -> None:
+        """Every rank finished the cell: say so if their collectives do not pair anyway."""
+        ledger = self._set.ledger
+        found = unmatched(ledger.calls, targets, self.nprocs, ledger.gaps)
+        if found is not None:
+            print(unmatched_warning(found, self.labels.place), flush=True)
 
     def _failed(self, ev: Evidence, timeout: float, starting: bool) -> LaunchError:
         """The error for a request that failed; every rank is stopped first unless a rank
         raised while every other one finished the cell."""
         run = self._run_words("start" if starting else "cell", None, timeout)  # while attached
         keep = ev.outcome is Outcome.DONE and not starting and not ev.exitcodes
-        if not keep:
-            polite = ev.finding is None and ev.outcome is not Outcome.INTERRUPTED
-            run.stopped = self._drop(ev, polite=polite)
-        return failures.error(ev, run)
+        if keep:
+            self._keep_failures(ev)
+            return failures.error(ev, run)
+        snapshot = self._snapshot()
+        polite = ev.finding is None and ev.outcome is not Outcome.INTERRUPTED
+        run.stopped = self._drop(ev, polite=polite)
+        error = failures.error(ev, run)
+        error.where = snapshot
+        return error
+
+    def _keep_failures(self, ev: Evidence) -> None:
+        """The ranks that raised keep their exceptions (and frames) for post-mortem."""
+        if self._cell is not None:
+            self.failed.update({r: self._cell for r in ev.errors})
+            self.first_failed = ev.failure.rank
+
+    def _snapshot(self):
+        """Every live rank's stack, before the kit stops them (also kept for %ranks debug)."""
+        self.snapshot = debugging.snapshot(self, list(range(self.nprocs)),
+                                           "when the kit stopped them")
+        self.failed = {}
+        return self.snapshot
 
     def _run_words(self, kind: str, stopped, timeout: float) -> failures.Run:
         return failures.Run(kind, stopped, place=self.labels.place,

@@ -25,9 +25,37 @@ from torch import nn
 from ...ledger import Ledger
 from ...runtime import BACKEND_VAR, choose_backend, let_gloo_threads_finish, process_group
 from ..wire.channel import Unreadable, encode
-from ..wire.messages import Error, Ok, Push, Ready, RunCell, ServeCells, Stop
+from ..wire.messages import (
+    Debug,
+    DebugLine,
+    Error,
+    Ok,
+    Push,
+    Ready,
+    RunCell,
+    ServeCells,
+    Stop,
+    Summarise,
+)
+from .debugger import post_mortem
 from .stacks import CELL_PREFIX
 from .streams import flush
+from .summaries import summaries
+
+
+class Kept:
+    """What the rank keeps between cells besides its namespace: the exception of its last
+    failing cell (and so that cell's frames and their variables), for post-mortem."""
+
+    def __init__(self):
+        self.failure: BaseException | None = None
+
+    def describe(self) -> str:
+        """"ValueError: loss is NaN" (what %ranks where says the rank keeps), or ""."""
+        if self.failure is None:
+            return ""
+        first = (str(self.failure).splitlines() or [""])[0]
+        return f"{type(self.failure).__name__}: {first}"
 
 
 def serve(link, rank: int, cells: ServeCells, extra: dict | None = None) -> None:
@@ -37,15 +65,16 @@ def serve(link, rank: int, cells: ServeCells, extra: dict | None = None) -> None
     `extra` adds names to the namespace (a served rank's local_rank, group_rank, host)."""
     namespace = new_namespace(rank, cells.world_size)
     namespace.update(extra or {})
-    link.start(threading.get_ident())
+    kept = Kept()
+    link.start(threading.get_ident(), kept)
     if cells.group:
         with process_group(rank, cells.world_size, timeout_s=cells.timeout) as device:
             namespace["device"] = device
-            _loop(link, namespace)
+            _loop(link, namespace, kept)
         return
     namespace["device"] = _device_without_group(cells.world_size, rank)
     try:
-        _loop(link, namespace)
+        _loop(link, namespace, kept)
     finally:  # the learner's own group, if they made one
         if dist.is_available() and dist.is_initialized():
             let_gloo_threads_finish()  # the learner's cells may have run Python comm hooks
@@ -68,11 +97,12 @@ def new_namespace(rank: int, world_size: int) -> dict:
     return module.__dict__
 
 
-def _loop(link, namespace: dict) -> None:
+def _loop(link, namespace: dict, kept: Kept) -> None:
     link.send(_ready(namespace))
+    pending = None  # a command that arrived while pdb waited for a line (it ended pdb)
     while True:
         try:
-            command = link.recv()
+            command, pending = pending or link.recv(), None
         except (EOFError, OSError):
             return  # the parent is gone
         except Unreadable as e:  # a value this rank cannot rebuild: say so, and stay up
@@ -80,14 +110,32 @@ def _loop(link, namespace: dict) -> None:
             continue
         if isinstance(command, Stop):
             return
-        if isinstance(command, RunCell):
-            reply = run_cell(namespace, command, link.feed_ledger)
-        else:
-            assert isinstance(command, Push), command
-            namespace.update(command.values)
-            reply = encode(Ok())
+        if isinstance(command, Debug):
+            left = post_mortem(link, kept.failure)
+            pending = left if isinstance(left, (Stop, RunCell, Push, Summarise)) else None
+            continue
+        if isinstance(command, DebugLine):
+            continue  # a line for a pdb session that has ended
+        reply = _reply(command, namespace, kept, link)
         flush()
         link.send_encoded(reply)
+
+
+def _reply(command, namespace: dict, kept: Kept, link) -> bytes:
+    """The encoded reply to a cell, a push or a summary request."""
+    if isinstance(command, RunCell):
+        reply, failure = run_cell(namespace, command, link.feed_ledger)
+        if failure is not None:
+            kept.failure = failure
+        return reply
+    if isinstance(command, Summarise):
+        try:
+            return encode(Ok(summaries(namespace, command.expressions, command.chunk)))
+        except Exception as e:  # noqa: BLE001 - a summary that cannot be made or sent
+            return encode(Error.from_exception(e))
+    assert isinstance(command, Push), command
+    namespace.update(command.values)
+    return encode(Ok())
 
 
 def _ready(namespace: dict) -> Ready:
@@ -95,9 +143,9 @@ def _ready(namespace: dict) -> Ready:
     return Ready(pid=os.getpid(), device=str(namespace["device"]), backend=backend)
 
 
-def run_cell(namespace: dict, cell: RunCell, feed_ledger) -> bytes:
+def run_cell(namespace: dict, cell: RunCell, feed_ledger) -> tuple[bytes, BaseException | None]:
     """Run one cell under a tapped ledger that tells the parent each collective it enters;
-    its reply, encoded: Ok(last value, {name: value}) or Error."""
+    its reply, encoded (Ok(last value, {name: value}) or Error), and the exception it raised."""
     filename = f"{CELL_PREFIX}{cell.number}>"
     code = "\n" * (cell.first_line - 1) + cell.code  # lines numbered as the editor shows them
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
@@ -105,9 +153,9 @@ def run_cell(namespace: dict, cell: RunCell, feed_ledger) -> bytes:
         with Ledger(on_call=feed_ledger, tap=True):
             value = _execute(code, filename, namespace)
         returned = {n: _lookup(namespace, n) for n in cell.returns}
-        return _encode_ok(value, returned)
+        return _encode_ok(value, returned), None
     except BaseException as e:  # noqa: BLE001 - SystemExit too: the rank must stay up
-        return encode(Error.from_exception(e, traceback=_cell_traceback(e)))
+        return encode(Error.from_exception(e, traceback=_cell_traceback(e))), e
 
 
 def _execute(code: str, filename: str, namespace: dict):

@@ -56,14 +56,15 @@ class PipeLink:
         self.control = Channel(spec.control)
         self.feed_ledger: Callable = LedgerPipe(spec.ledger.fileno())
 
-    def start(self, main_thread: int) -> None:
-        """Answer the parent's questions from a thread of this rank."""
+    def start(self, main_thread: int, kept) -> None:
+        """Answer the parent's questions from a thread of this rank (`kept`: what the cell
+        server keeps, rank.cells.Kept)."""
 
         def serve_questions() -> None:
             while True:
                 try:
                     question = self.control.recv()
-                    self.control.send(answer(question, main_thread))
+                    self.control.send(answer(question, main_thread, kept.describe()))
                 except Unreadable:
                     continue  # a message this rank cannot rebuild: the next question counts
                 except (EOFError, OSError):
@@ -97,11 +98,11 @@ class SocketLink:
         self.ready = threading.Condition()
         self.closed = False
 
-    def start(self, main_thread: int) -> None:
+    def start(self, main_thread: int, kept) -> None:
         """Start forwarding output and reading the notebook's messages."""
         threading.Thread(target=self._forward_output, name="ddp_helpers-output",
                          daemon=True).start()
-        threading.Thread(target=self._read, args=(main_thread,), name="ddp_helpers-commands",
+        threading.Thread(target=self._read, args=(main_thread, kept), name="ddp_helpers-commands",
                          daemon=True).start()
 
     # -- rank -> notebook ---------------------------------------------------------------------
@@ -154,7 +155,7 @@ class SocketLink:
 
     # -- notebook -> rank ---------------------------------------------------------------------
 
-    def _read(self, main_thread: int) -> None:
+    def _read(self, main_thread: int, kept) -> None:
         """Answer questions at once (the main thread may be in a collective); queue the rest.
         The connection closing means the notebook is gone: `on_gone` ends the rank."""
         while True:
@@ -167,7 +168,7 @@ class SocketLink:
                 return
             if isinstance(message, Question):
                 with contextlib.suppress(OSError, ValueError):
-                    self.send(answer(message, main_thread))
+                    self.send(answer(message, main_thread, kept.describe()))
                 continue
             with self.ready:
                 self.commands.append(message)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from ..sets.base import Failure, Priority, RankSet
-from ..wire.messages import Error, Where
+from ..wire.messages import AskWhere, Error, Where
 from .mismatch import Finding, find
 
 SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arrives within this
@@ -198,9 +198,9 @@ class CellWatch:
 
     def where_all(self) -> dict[int, Where | None]:
         """Where each unfinished rank that is still alive was: the last look, or a fresh one."""
-        for r in self.unfinished():
-            if self.ranks.alive(r) and r not in self.seen:
-                self.seen[r] = self.ranks.where(r)
+        missing = [r for r in self.unfinished() if self.ranks.alive(r) and r not in self.seen]
+        if missing:  # asked at once: eight ranks stuck in C++ cost one timeout, not eight
+            self.seen.update(self.ranks.question(missing, AskWhere()))
         return {r: self.seen.get(r) for r in self.unfinished() if self.ranks.alive(r)}
 
     def evidence(self, outcome: Outcome, stacks: dict[int, str] | None = None) -> Evidence:

@@ -17,7 +17,7 @@ import socket
 import time
 
 from ..wire.channel import Unreadable
-from ..wire.messages import AskWhere, Command, Error, Hello, Output, Where
+from ..wire.messages import Command, Error, Hello, Output, Stack, Where, answers
 from .base import Failure, Priority, RankSet
 
 _LINES_GRACE_SECONDS = 0.25  # after a death, how long the others' ledger lines may take
@@ -31,7 +31,7 @@ class AttachedSet(RankSet):
         super().__init__(nprocs, output)
         self.hellos: dict[int, Hello] = {r: a.hello for r, a in attached.items()}
         self.chans = {r: a.chan for r, a in attached.items()}
-        self._wheres: dict[int, Where] = {}
+        self._answers: dict[int, Where | Stack] = {}  # answers to the last question, by rank
 
     @property
     def pids(self) -> list[int | None]:
@@ -58,8 +58,8 @@ class AttachedSet(RankSet):
             message = Error.unreadable_result(e.cause)
         if isinstance(message, Output):
             self._got_output(rank, message.stream, message.data)
-        elif isinstance(message, Where):
-            self._wheres[rank] = message
+        elif isinstance(message, (Where, Stack)):
+            self._answers[rank] = message
         else:
             self._got_reply(rank, message, time.monotonic())
 
@@ -99,15 +99,20 @@ class AttachedSet(RankSet):
         except (OSError, ValueError):
             return False
 
-    def where(self, rank: int, timeout: float = 0.3) -> Where | None:
-        if not self.alive(rank) or not self.send(rank, AskWhere()):
-            return None
-        self._wheres.pop(rank, None)
+    def question(self, ranks: list[int], question, timeout: float = 0.3) -> dict:
+        for r in ranks:
+            self._answers.pop(r, None)
+        expected = answers(question)
+        asked = [r for r in ranks if self.alive(r) and self.send(r, question)]
         deadline = time.monotonic() + timeout
-        while rank not in self._wheres and self.alive(rank) and time.monotonic() < deadline:
-            if self.chans[rank].poll(max(deadline - time.monotonic(), 0)):
-                self._read(rank)
-        return self._wheres.pop(rank, None)
+
+        def answered(r: int) -> bool:
+            return isinstance(self._answers.get(r), expected) or not self.alive(r)
+
+        while not all(answered(r) for r in asked) and time.monotonic() < deadline:
+            self.poll(deadline)
+        return {r: a if isinstance(a := self._answers.pop(r, None), expected) else None
+                for r in ranks}
 
     # -- stopping -------------------------------------------------------------------------------
 

@@ -8,7 +8,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..wire.messages import Command, Error, Ok, Ready, Reply, Stop, Stream, Where
+from ..wire.messages import (
+    AskWhere,
+    Command,
+    DebugOutput,
+    Error,
+    Ok,
+    Ready,
+    Reply,
+    Stop,
+    Stream,
+    Where,
+)
 from .ledger_reader import LedgerReader
 from .relay import OutputRelay
 
@@ -62,6 +73,7 @@ class RankSet:
         self.replied_at: dict[int, float] = {}  # rank -> monotonic time its reply arrived
         self.stopped = False
         self._replies: dict[int, Reply] = {}
+        self._debug: dict[int, list[DebugOutput]] = {}  # pdb's output, in order, per rank
 
     # -- what the pool and the rules read ----------------------------------------------------
 
@@ -109,7 +121,14 @@ class RankSet:
             for r in ranks:
                 self.send(r, command)
 
+    def take_debug_output(self, rank: int) -> list[DebugOutput]:
+        """What rank's pdb sent since the last call, in order."""
+        return self._debug.pop(rank, [])
+
     def _got_reply(self, rank: int, reply: Reply, now: float) -> None:
+        if isinstance(reply, DebugOutput):  # several per request: kept in order
+            self._debug.setdefault(rank, []).append(reply)
+            return
         if not isinstance(reply, Error) or rank not in self._replies:
             # a late Error never hides the reply that came first
             self._replies[rank] = reply
@@ -147,6 +166,11 @@ class RankSet:
     def where(self, rank: int, timeout: float = 0.3) -> Where | None:
         """Where the rank's main thread is, asked of a thread of the rank's own; None if it
         does not answer in time (dead, or blocked in C++ code that holds the GIL)."""
+        return self.question([rank], AskWhere(), timeout)[rank]
+
+    def question(self, ranks: list[int], question, timeout: float = 0.3) -> dict:
+        """Ask each of `ranks` `question` at once (a thread of each rank answers, whatever its
+        main thread is doing); {rank: answer}, None for a rank that did not answer in time."""
         raise NotImplementedError
 
     def drain_output(self, seconds: float = 0.0) -> None:

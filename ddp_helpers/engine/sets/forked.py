@@ -23,8 +23,9 @@ import time
 import torch.multiprocessing as tmp
 
 from ..rank.entry import rank_entry
+from ..wire import messages
 from ..wire.channel import Channel, Unreadable
-from ..wire.messages import VERSION, AskWhere, Command, Error, Start, Stream, Where
+from ..wire.messages import VERSION, Command, Error, Start, Stream
 from . import main_guard
 from .base import Failure, Priority, RankSet
 from .pipes import RankPipes, read_chunk, read_stack_dumps
@@ -168,17 +169,36 @@ class ForkedSet(RankSet):
         except (OSError, ValueError, KeyError):
             return False
 
-    def where(self, rank: int, timeout: float = 0.3) -> Where | None:
-        channel = self.pipes.controls.get(rank)
-        if channel is None or not self.alive(rank):
-            return None
-        try:
-            while channel.poll(0):  # a late answer to an earlier question
-                channel.recv()
-            channel.send(AskWhere())
-            return channel.recv() if channel.poll(timeout) else None
-        except (OSError, EOFError, ValueError, Unreadable):
-            return None
+    def question(self, ranks: list[int], question, timeout: float = 0.3) -> dict:
+        answers: dict = {r: None for r in ranks}
+        expected = messages.answers(question)
+        asked = {}
+        for r in ranks:
+            channel = self.pipes.controls.get(r)
+            if channel is None or not self.alive(r):
+                continue
+            try:
+                while channel.poll(0):  # a late answer to an earlier question
+                    channel.recv()
+                channel.send(question)
+                asked[channel] = r
+            except (OSError, EOFError, ValueError, Unreadable):
+                continue
+        deadline = time.monotonic() + timeout
+        while asked:
+            ready = multiprocessing.connection.wait(list(asked),
+                                                    max(deadline - time.monotonic(), 0))
+            if not ready:
+                break
+            for channel in ready:
+                try:
+                    answer = channel.recv()
+                except (OSError, EOFError, Unreadable):
+                    asked.pop(channel)
+                    continue
+                if isinstance(answer, expected):  # not a late answer to an earlier question
+                    answers[asked.pop(channel)] = answer
+        return answers
 
     def dump_stacks(self, ranks: list[int], seconds: float = 1.0) -> dict[int, str]:
         """Ask each rank's faulthandler for every thread's Python stack (SIGUSR1); the raw text

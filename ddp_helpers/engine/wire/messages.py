@@ -66,7 +66,30 @@ class Stop:
     """Leave the command loop (destroying the process group) and exit."""
 
 
-Command = RunCell | Push | Stop
+@dataclass(frozen=True)
+class Debug:
+    """Open pdb post-mortem on the frame where this rank's last failing cell raised; the rank
+    sends DebugOutput for every prompt and reads DebugLine commands until pdb ends, then
+    replies Ok (its namespace untouched)."""
+
+
+@dataclass(frozen=True)
+class DebugLine:
+    """One line the learner typed at the rank's pdb prompt."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Summarise:
+    """Reply Ok({expression: Summary}) for each expression, evaluated in the namespace: what
+    `pool.compare` compares across ranks."""
+
+    expressions: tuple[str, ...]
+    chunk: tuple[str, int] | None = None  # (expression's leaf, chunk): send that chunk's values
+
+
+Command = RunCell | Push | Stop | Debug | DebugLine | Summarise
 
 # -- questions: parent -> a rank's control thread, answered while its main thread is busy ---
 
@@ -76,7 +99,13 @@ class AskWhere:
     """Where is your main thread now?"""
 
 
-Question = AskWhere
+@dataclass(frozen=True)
+class AskStack:
+    """Your main thread's stack, with each frame's locals summarised (for a snapshot before the
+    kit stops the ranks, and for `%ranks where`)."""
+
+
+Question = AskWhere | AskStack
 
 # -- replies and answers: rank -> parent -----------------------------------------------------
 
@@ -156,6 +185,70 @@ class Where:
     in_comm: bool = False
     frame: Frame | None = None
     call: str | None = None
+
+
+@dataclass(frozen=True)
+class Value:
+    """A value as a rank summarised it: a tensor as dtype, shape, device and its first values
+    ("float32[4] cpu [1.0, 2.0, nan, 4.0]"), anything else as a short repr."""
+
+    name: str
+    text: str
+
+
+@dataclass(frozen=True)
+class FrameLocals:
+    """A frame of a stack snapshot: where (as Frame) and its locals, summarised."""
+
+    frame: Frame
+    values: tuple[Value, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A rank's main thread as its control thread saw it: idle between cells, or in the
+    learner's frames (outermost first), in the torch call `call`, `in_comm` when it waits on
+    its peers. `failure`: the last failing cell's exception, kept for post-mortem ("" none)."""
+
+    idle: bool
+    frames: tuple[FrameLocals, ...] = ()
+    call: str | None = None
+    call_values: tuple[Value, ...] = ()  # the tensors the torch call was handed
+    in_comm: bool = False
+    failure: str = ""
+
+
+@dataclass(frozen=True)
+class DebugOutput:
+    """What the rank's pdb printed since the last prompt; `prompt` is the prompt it now waits
+    at (None: the session ended, or there was nothing to debug)."""
+
+    text: str
+    prompt: str | None = "(Pdb) "
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One leaf of a summarised value (a tensor, or a plain value) on one rank: `digest` is
+    the same on two ranks exactly when their values are; `values` the tensor itself when small
+    (the parent finds the first difference), else None (it asks for one chunk)."""
+
+    name: str
+    kind: str  # "tensor" | "value" | "missing"
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    digest: str = ""
+    values: Any = None
+    chunk_digests: tuple[str, ...] = ()  # large tensors: a digest per chunk of CHUNK elements
+    text: str = ""  # a plain value's repr, or why it is missing
+
+
+CHUNK = 1 << 16  # elements per chunk of a large tensor's digests
+
+
+def answers(question) -> type:
+    """The type of the answer to `question`."""
+    return Stack if isinstance(question, AskStack) else Where
 
 
 class Stream(enum.Enum):

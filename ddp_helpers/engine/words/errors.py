@@ -10,6 +10,9 @@ class LaunchError(Exception):
 
     `results[r]` holds what rank r returned before the run failed, for every r in `finished`
     (None elsewhere), so work done by ranks that completed is never lost.
+
+    `where[rank]` is each rank's stack (with its locals summarised) when the kit stopped the
+    ranks, for an error that stopped them (words.stacks.Snapshot; empty otherwise).
     """
 
     rank: int | None = None
@@ -20,6 +23,7 @@ class LaunchError(Exception):
         self.rank = rank
         self.results = results if results is not None else []
         self.finished = finished if finished is not None else []
+        self.where: dict = {}
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows these lines instead of a traceback through the kit's own frames: the
@@ -29,7 +33,10 @@ class LaunchError(Exception):
 
 class CellInterrupted(KeyboardInterrupt):
     """The stop button (KeyboardInterrupt) during a cell: every rank was stopped. Shown as its
-    one sentence: the kit's frames the interrupt passed through are not the learner's."""
+    one sentence: the kit's frames the interrupt passed through are not the learner's.
+    `where` holds each rank's stack when they were stopped."""
+
+    where: dict = {}  # noqa: RUF012 - set per instance by the pool
 
     def _render_traceback_(self) -> list[str]:
         return [f"KeyboardInterrupt: {self}"]

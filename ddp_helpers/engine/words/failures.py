@@ -24,7 +24,7 @@ from .errors import (
     RankDied,
     RankRaised,
 )
-from .mismatch import aborted_note, explain
+from .mismatch import explain
 from .places import plain_place
 from .tracebacks import clean_error_text, clean_traceback, main_thread_stack
 
@@ -123,7 +123,7 @@ def error(ev: Evidence, run: Run) -> LaunchError | KeyboardInterrupt:
     if run.stopped is None:  # a cell that raised on some ranks while the others finished it
         return _raised(ev, run, f.rank, f.error, _state_kept(ev, f.rank))
     if ev.finding is not None:
-        text = explain(ev.finding, n, run.place, ev.at) + aborted_note(ev.exitcodes)
+        text = explain(ev.finding, n, run.place, ev.at, exitcodes=ev.exitcodes)
         return CollectiveMismatch(f"{text}\n{stopped(run.stopped)}", finding=ev.finding,
                                   unfinished=ev.unfinished)
     consequence = stopped(run.stopped, where_text(ev, run))
@@ -166,8 +166,8 @@ def _state_kept(ev: Evidence, rank: int) -> str:
 def _launch_error(ev: Evidence, run: Run) -> LaunchError | None:
     kw = {"results": run.results, "finished": ev.finished}
     if ev.finding is not None:
-        text = explain(ev.finding, ev.nprocs, run.place, ev.at, "returned")
-        return CollectiveMismatch(f"{text}{aborted_note(ev.exitcodes)}\nEvery rank was stopped."
+        text = explain(ev.finding, ev.nprocs, run.place, ev.at, "returned", ev.exitcodes)
+        return CollectiveMismatch(f"{text}\nEvery rank was stopped."
                                   + finished_note(ev.finished), finding=ev.finding,
                                   unfinished=ev.unfinished, **kw)
     if ev.outcome is Outcome.TIMEOUT:

@@ -11,6 +11,7 @@ from ..wire.messages import Where
 from .tracebacks import shorten_path
 
 _CELL_FILE = re.compile(r"<cell \d+>")
+_PDB_PLACE = re.compile(r"(<cell \d+>)\((\d+)\)")  # pdb's "<cell 12>(4)<module>()"
 
 
 class Labels:
@@ -46,6 +47,13 @@ class Labels:
         ("<cell In [5]>"); cells run from Python keep the pool's number."""
         return _CELL_FILE.sub(lambda m: f"<cell {self.names[m[0]]}>" if m[0] in self.names
                               else m[0], text)
+
+
+    def pdb(self, text: str) -> str:
+        """pdb's output with each cell's place as the learner knows it: "> In [5], line 4,
+        <module>()"."""
+        text = _PDB_PLACE.sub(lambda m: f"{self.cell(m[1])}, line {m[2]}, ", text)
+        return _CELL_FILE.sub(lambda m: self.cell(m[0]), text)
 
 
 def plain_place(where: tuple[str, int]) -> str:
