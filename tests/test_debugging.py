@@ -15,7 +15,8 @@ import ddp_helpers as dh
 
 # Rank 1's loss is not finite (a bad shard): the cell raises there, rank 0 finishes it.
 NAN_ON_RANK_1 = ("def step(batch):\n    loss = (batch.log() * 2).sum()\n"
-                 "    if not torch.isfinite(loss):\n        raise ValueError('loss is not finite')\n"
+                 "    if not torch.isfinite(loss):\n"
+                 "        raise ValueError('loss is not finite')\n"
                  "    return loss\n"
                  "batch = torch.tensor([1.0, 2.0, 3.0]) - rank * torch.tensor([0.0, 3.0, 0.0])\n"
                  "loss = step(batch)")
@@ -138,7 +139,8 @@ SCRIPT = textwrap.dedent('''
 
     with dh.Ranks(2, timeout=60, output="none") as pool:
         try:
-            pool.run("x = torch.tensor([1.0, 2.0]) * rank\\nif rank == 1:\\n    raise KeyError('x')")
+            pool.run("x = torch.tensor([1.0, 2.0]) * rank\\n"
+                     "if rank == 1:\\n    raise KeyError('x')")
         except dh.RankRaised as e:
             print("raised on rank", e.rank)
         pool.debug(1)

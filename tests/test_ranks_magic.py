@@ -133,7 +133,8 @@ def test_help_lists_every_subcommand_and_option(shell, capsys):
         assert run(shell, line) is None
         assert capsys.readouterr().out.strip() == HELP.strip()
     for word in ("start", "status", "restart", "stop", "listen", "--backend", "--timeout",
-                 "--no-group", "--output", "--env", "--targets", "--return", "Example"):
+                 "--no-group", "--output", "--env", "--targets", "--return", "Example", "debug",
+                 "where", "compare", "--commands"):
         assert word in HELP, word
     assert ranks_module.current() is None  # help starts nothing
 

@@ -21,8 +21,8 @@ import pytest
 
 import ddp_helpers as dh
 from ddp_helpers.engine.rank import serve as served_rank
-from ddp_helpers.engine.wire import auth
 from ddp_helpers.engine.sets.listener import Attached, Listener
+from ddp_helpers.engine.wire import auth
 from ddp_helpers.engine.wire.channel import over_socket, parse_address
 from ddp_helpers.engine.wire.messages import Hello, Setup
 from ddp_helpers.lessons import beyond_one_machine as lesson
