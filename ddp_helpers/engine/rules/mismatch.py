@@ -58,6 +58,13 @@ def numbered(calls: list[Timed]) -> list[Timed]:
     return out
 
 
+def same_tensors(a: Call, b: Call) -> bool:
+    """Whether two ranks' calls of one collective were handed tensors that fit together. Only
+    a scatter's root hands in the list to scatter (the other ranks none), so its inputs are
+    not compared."""
+    return a.op == "scatter" or a.tensors() == b.tensors()
+
+
 def members(group: str, nprocs: int) -> list[int]:
     """The ranks of a ledger group name: 'world' or 'ranks [0, 2]'."""
     if group.startswith("ranks ["):
@@ -83,8 +90,8 @@ def unmatched(calls: dict[int, list[Timed]], ranks: list[int], nprocs: int,
         for i in range(max(len(first), len(theirs))):
             a = first[i] if i < len(first) else None
             b = theirs[i] if i < len(theirs) else None
-            if a is None or b is None or (a.op, a.tensors(), a.root) != (b.op, b.tensors(),
-                                                                         b.root):
+            if a is None or b is None or (a.op, a.root) != (b.op, b.root) or \
+                    not same_tensors(a, b):
                 longer, other, call = (ranks[0], r, a) if a is not None else (r, ranks[0], b)
                 peer = b if a is not None else a
                 kind = "fewer" if peer is None else "ops" if a.op != b.op else "shapes"
@@ -164,7 +171,7 @@ def _compare(rank: int, call: Call, t: float, other: int, theirs: list[Timed],
     if len(same_group) >= call.seq:
         peer, s = same_group[call.seq - 1]
         kind = ("ops" if peer.op != call.op else
-                "shapes" if peer.tensors() != call.tensors() else
+                "shapes" if not same_tensors(peer, call) else
                 "roots" if peer.root != call.root else None)
         return None if kind is None else Finding(kind, rank, other, call, peer,
                                                  len(same_group), max(t, s))

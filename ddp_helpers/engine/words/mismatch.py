@@ -57,9 +57,10 @@ def unmatched_warning(f: Finding, place: Callable[[tuple[str, int]], str]) -> st
             f"{f.other} " + (f"called {f.other_call.text()} ({place(f.other_call.where)})"
                              if f.other_call else f"made only {f.other_count} collectives"))
     return (f"ddp_helpers: warning: every rank finished this cell, but their collectives do "
-            f"not pair: {what}. A collective that returned before it completed (NCCL's do, "
-            "and any async_op=True call never waited on) hangs or mixes data at the next call "
-            "that needs it. Make every rank call the same collectives, and wait() on async ones.")
+            f"not pair: {what}. A collective that returned before it completed (NCCL's do, as "
+            "does any async_op=True call not waited on), or one whose error was caught, leaves "
+            "the group out of step: the next call that needs it hangs or mixes data. Make every "
+            "rank call the same collectives, and wait() on async ones.")
 
 
 _WHY = {
