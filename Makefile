@@ -72,7 +72,7 @@ test-other-cpu: $(STAMP)
 ## clone on 2026-12-01) stays well inside CI's limit.
 FLOOR_TESTS := tests/test_compat.py tests/test_runtime.py tests/test_timing.py tests/test_launch.py \
 	tests/test_ranks.py tests/test_scripts.py tests/test_data.py tests/test_mnist.py tests/test_nothing_lost.py \
-	tests/test_ledger.py tests/test_mismatch.py tests/test_serve.py \
+	tests/test_ledger.py tests/test_mismatch.py tests/test_serve.py tests/test_debugging.py \
 	tests/test_lesson_*.py tests/test_exercise_*.py
 test-min: $(MIN_STAMP)
 	$(MIN_BIN)/python -c 'import torch, torchvision; print("test-min: torch", torch.__version__, "torchvision", torchvision.__version__)'
