@@ -88,6 +88,11 @@ def test_relaunch_resumes_from_the_checkpoint_and_ends_where_an_uninterrupted_ru
                         output="none")
     assert [r["resumed_from"] for r in results] == [4, 4]
     assert torch.equal(results[0]["params"], reference["params"])
+    # a rerun (as after a Slurm requeue: torchrun's restart count is 0 again) is attempt 1 and
+    # keeps attempt 0's records
+    assert lesson.restart_summary(lesson.collect(out)) == {"attempts": {
+        0: {"resumed_from": 0, "last_step": FAULT - 1},
+        1: {"resumed_from": 4, "last_step": STEPS}}, "steps_redone": FAULT - 1 - 4}
 
 
 def test_fault_step_outside_the_run_is_refused_with_the_range(tmp_path):
@@ -344,18 +349,25 @@ def test_sbatch_script_gives_srun_the_cpus_and_the_lesson_module(tmp_path):
     assert "#SBATCH --requeue" in header and "#SBATCH --output=runs/slurm-%j.out" in header
 
 
-def test_torchrun_flags_check_passes_the_solution_and_names_a_wrong_flag():
+def test_torchrun_flags_check_passes_the_scripts_own_flags_and_another_scheme():
+    """The check reads flags by meaning: the script's own command passes on every fake job, so
+    does a rendezvous on the last node with another port scheme; no flags fail every job."""
     from ddp_helpers.solutions.torchrun_flags_from_slurm import torchrun_flags_from_slurm
 
     check = exercises.find("torchrun_flags_from_slurm").check
-    assert all(c.ok for c in check(_module(torchrun_flags_from_slurm=torchrun_flags_from_slurm)))
 
-    def last_host(env, hosts):  # the rendezvous on the last node instead of the first
+    def the_script(env, hosts):
+        command = lesson.slurm_torchrun_command(env, hosts)
+        assert command[0] == "torchrun"
+        return command[1:]
+
+    def last_host(env, hosts):  # the store on the last node, a port of another range
         right = torchrun_flags_from_slurm(env, hosts)
-        return {**right, "--rdzv-endpoint": right["--rdzv-endpoint"].replace(hosts[0], hosts[-1])}
+        port = 40000 + int(env["SLURM_JOB_ID"]) % 20000
+        return {**right, "--rdzv-endpoint": f"{hosts[-1]}:{port}"}
 
-    cases = check(_module(torchrun_flags_from_slurm=last_host))
-    assert [c.ok for c in cases] == [False] * 4 + [True]  # one node: the last host is the first
-    assert cases[2].detail == "--rdzv-endpoint is 'a100-10:29773', the script gives 'a100-3:29773'"
+    for answer in (the_script, last_host):
+        cases = check(_module(torchrun_flags_from_slurm=answer))
+        assert [c.ok for c in cases] == [True] * len(lesson.JOBS), cases
     none = check(_module(torchrun_flags_from_slurm=lambda env, hosts: None))
-    assert not any(c.ok for c in none)
+    assert [c.detail for c in none] == ["node 0: got None, expected a dict of flags"] * 4
