@@ -25,6 +25,8 @@ from ddp_helpers.lessons import beyond_one_machine as lesson
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_SCRIPT = ROOT / "examples" / "slurm_torchrun.sh"
 SBATCH = ROOT / "examples" / "slurm_ddp.sbatch"
+SRUN_TASK = ROOT / "examples" / "slurm_srun_task.sh"
+SRUN_SBATCH = ROOT / "examples" / "slurm_srun.sbatch"
 MODULE = lesson.__name__  # the module torchrun runs: python -m ddp_helpers.lessons.beyond_one_...
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 STEPS, EVERY, FAULT = 12, 4, 7
@@ -347,6 +349,54 @@ def test_sbatch_script_gives_srun_the_cpus_and_the_lesson_module(tmp_path):
     assert f"-m {MODULE} --out runs/slurm-99" in lines[1]
     header = [ln for ln in SBATCH.read_text().splitlines() if ln.startswith("#SBATCH")]
     assert "#SBATCH --requeue" in header and "#SBATCH --output=runs/slurm-%j.out" in header
+
+
+def test_srun_task_script_turns_slurm_variables_into_torchs():
+    env, hosts = lesson.srun_env("4242", "gpu[07-08]", ["gpu07", "gpu08"], node=1, gpus=2,
+                                 tasks_per_node=2, local=1)
+    assert lesson.srun_task_env(env, hosts) == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "gpu07", "MASTER_PORT": "29742"}  # the first host; the job's port
+    assert lesson.srun_task_env({**env, "MASTER_PORT": "12345"}, hosts)["MASTER_PORT"] == "12345"
+
+
+def test_srun_task_script_outside_a_task_or_without_tasks_per_node_says_so():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    p = subprocess.run(["bash", str(SRUN_TASK)], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert p.returncode != 0 and "not a Slurm task: run this through srun" in p.stderr
+    env, hosts = lesson.srun_env("4242", "gpu[07-08]", ["gpu07", "gpu08"], node=0)
+    del env["SLURM_NTASKS_PER_NODE"]
+    with pytest.raises(RuntimeError, match="give srun --ntasks-per-node"):
+        lesson.srun_task_env(env, hosts)
+
+
+def test_srun_sbatch_starts_the_task_script_per_gpu(tmp_path):
+    (tmp_path / "srun").write_text('#!/bin/sh\necho "$@"\n')
+    (tmp_path / "srun").chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))},
+           "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "99"}
+    p = subprocess.run(["bash", str(SRUN_SBATCH)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[:2] == ["--kill-on-bad-exit=1", "examples/slurm_srun_task.sh"]
+    assert f"-m {MODULE} --out runs/slurm-99" in p.stdout
+    header = [ln for ln in SRUN_SBATCH.read_text().splitlines() if ln.startswith("#SBATCH")]
+    assert {"#SBATCH --ntasks-per-node=2", "#SBATCH --gpus-per-node=2",
+            "#SBATCH --requeue"} <= set(header)
+
+
+@pytest.mark.slow
+def test_srun_tasks_without_torchrun_train_like_launch(reference, tmp_path):
+    tasks = lesson.srun_tasks(TRAIN.split() + ["--out", str(tmp_path)], timeout=HANG_GUARD)
+    assert [t["returncode"] for t in tasks] == [0, 0], tasks
+    assert lesson.loss_by_rank(lesson.collect(tmp_path)) == reference["losses"]
+
+
+def test_an_interface_gloo_cannot_find_is_named_at_init():
+    assert lesson.init_with_interface("eth9") == (
+        "GLOO_SOCKET_IFNAME=eth9: RuntimeError: Unable to find address for: eth9")
+    assert lesson.init_with_interface("lo") == "GLOO_SOCKET_IFNAME=lo: the group started"
 
 
 def test_torchrun_flags_check_passes_the_scripts_own_flags_and_another_scheme():

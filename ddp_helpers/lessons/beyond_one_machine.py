@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -41,6 +42,7 @@ CHECKPOINT = "checkpoint.pt"
 FINAL = "final.pt"
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "slurm_torchrun.sh"
+SRUN_TASK = ROOT / "examples" / "slurm_srun_task.sh"
 
 # ---------------------------------------------------------------- data, model, data order
 
@@ -246,6 +248,41 @@ def final_params(out_dir: str | os.PathLike) -> torch.Tensor:
     return torch.load(Path(out_dir) / FINAL, map_location="cpu", weights_only=True)["params"]
 
 
+def show_device_choice() -> None:
+    """Print the lines of dh.process_group (ddp_helpers/runtime.py) that give a rank its device:
+    the local rank from LOCAL_RANK, and on GPUs that local rank's GPU, made current."""
+    import inspect
+
+    from ddp_helpers import runtime
+
+    for fn, marks in ((runtime.process_group, ("LOCAL_RANK", "_place_rank(")),
+                      (runtime._place_rank, ('torch.device("cuda"', "set_device(", "Before init"))):
+        print(f"runtime.py, {fn.__name__}:")
+        for line in inspect.getsource(fn).splitlines():
+            if any(m in line for m in marks):
+                print(f"    {line.strip()}")
+
+
+def init_with_interface(name: str) -> str:
+    """What gloo says when GLOO_SOCKET_IFNAME names an interface: one rank, world size 1."""
+    from ddp_helpers import launch
+
+    (said,) = launch(_init_on, args=(name,), nprocs=1, timeout=60, output="none",
+                     env={"GLOO_SOCKET_IFNAME": name})
+    return said
+
+
+def _init_on(rank: int, name: str) -> str:
+    try:
+        with process_group(rank, 1, backend="gloo", verbose=False):
+            return f"GLOO_SOCKET_IFNAME={name}: the group started"
+    except RuntimeError as e:
+        # gloo's message starts with a C++ source path and the failed test ("[enforce fail at
+        # .../device.cc:84] ifa != nullptr. "): the sentence after them is the news
+        said = re.sub(r"^\S+ != \S+\. ", "", str(e).split("] ")[-1].strip())
+        return f"GLOO_SOCKET_IFNAME={name}: {type(e).__name__}: {said}"
+
+
 # ---------------------------------------------------------------- served ranks: %%ranks on torchrun
 
 
@@ -327,16 +364,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def srun_env(job: str, nodelist: str, hosts: list[str], node: int, gpus: int | None = None,
-             **extra: str) -> tuple[dict[str, str], list[str]]:
-    """What `srun --ntasks-per-node=1` sets on node `node` of a job on `hosts`, and what
-    `scontrol show hostnames` prints there: the variables a learner might reach for too
-    (SLURM_NTASKS counts tasks, not GPUs; SLURMD_NODENAME is this node, not the first;
+             tasks_per_node: int = 1, local: int = 0, **extra: str
+             ) -> tuple[dict[str, str], list[str]]:
+    """What srun sets for task `local` of `tasks_per_node` on node `node` of a job on `hosts`,
+    and what `scontrol show hostnames` prints there: the variables a learner might reach for
+    too (SLURM_NTASKS counts tasks, not GPUs; SLURMD_NODENAME is this node, not the first;
     SLURM_SUBMIT_HOST is the login node sbatch ran on, not one of the job's)."""
     n = str(len(hosts))
     env = {"SLURM_JOB_ID": job, "SLURM_JOBID": job, "SLURM_JOB_NODELIST": nodelist,
            "SLURM_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": n, "SLURM_NNODES": n,
-           "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LOCALID": "0",
-           "SLURM_NTASKS": n, "SLURM_NTASKS_PER_NODE": "1", "SLURMD_NODENAME": hosts[node],
+           "SLURM_NODEID": str(node), "SLURM_PROCID": str(node * tasks_per_node + local),
+           "SLURM_LOCALID": str(local), "SLURM_NTASKS": str(len(hosts) * tasks_per_node),
+           "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURMD_NODENAME": hosts[node],
            "SLURM_SUBMIT_HOST": "login01"}
     if gpus:
         env["SLURM_GPUS_ON_NODE"] = str(gpus)
@@ -363,20 +402,72 @@ def job_nodes(job: str, nodelist: str, hosts: list[str], gpus: int | None
 def slurm_torchrun_command(env: dict[str, str], hostnames: list[str]) -> list[str]:
     """The torchrun command slurm_torchrun.sh builds on a node with these Slurm variables, found
     by running the script itself with DRY_RUN=1 and a fake `scontrol`."""
+    return _dry_run(SCRIPT, env, hostnames).split()
+
+
+def srun_task_env(env: dict[str, str], hostnames: list[str]) -> dict[str, str]:
+    """The variables slurm_srun_task.sh gives its python on a task with these Slurm variables
+    (the script itself, run with DRY_RUN=1 and a fake `scontrol`)."""
+    return dict(line.split("=", 1) for line in _dry_run(SRUN_TASK, env, hostnames).splitlines())
+
+
+def _fake_scontrol(bin_dir: str, hostnames: list[str]) -> None:
+    scontrol = Path(bin_dir, "scontrol")  # prints the node list, as the real one would
+    scontrol.write_text("#!/bin/sh\nprintf '%s\\n' "
+                        + " ".join(shlex.quote(h) for h in hostnames) + "\n")
+    scontrol.chmod(0o755)
+
+
+def _slurm_env(env: dict[str, str], bin_dir: str) -> dict[str, str]:
+    """This process's environment without Slurm's or the scripts' own variables, plus `env`."""
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in _OURS}
+    full.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return full
+
+
+def _dry_run(script: Path, env: dict[str, str], hostnames: list[str]) -> str:
     with tempfile.TemporaryDirectory() as bin_dir:
-        scontrol = Path(bin_dir, "scontrol")  # prints the node list, as the real one would
-        scontrol.write_text("#!/bin/sh\nprintf '%s\\n' "
-                            + " ".join(shlex.quote(h) for h in hostnames) + "\n")
-        scontrol.chmod(0o755)
-        full = {k: v for k, v in os.environ.items()
-                if not k.startswith("SLURM_") and k not in _OURS}
-        full.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", DRY_RUN="1")
-        p = subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True,
-                           timeout=60)
+        _fake_scontrol(bin_dir, hostnames)
+        p = subprocess.run(["bash", str(script)], env={**_slurm_env(env, bin_dir), "DRY_RUN": "1"},
+                           capture_output=True, text=True, timeout=60)
     if p.returncode != 0:
-        raise RuntimeError(f"{SCRIPT.name} failed with exit code {p.returncode}: "
+        raise RuntimeError(f"{script.name} failed with exit code {p.returncode}: "
                            f"{p.stderr.strip()}")
-    return p.stdout.split()
+    return p.stdout
+
+
+def srun_tasks(args: list[str], tasks_per_node: int = 2, job: str = "4242",
+               timeout: float = 120) -> list[dict]:
+    """Run slurm_srun_task.sh on this machine as `srun --ntasks-per-node=N` would on one node:
+    N processes at once, each with the variables srun gives a task (SLURM_PROCID, SLURM_LOCALID,
+    SLURM_NTASKS, ...) and a fake `scontrol` naming this machine; each runs `python *args`.
+    Returns each task's exit code and output, rank-ordered."""
+    from ddp_helpers import free_port
+
+    procs = []
+    with tempfile.TemporaryDirectory() as bin_dir:
+        _fake_scontrol(bin_dir, ["127.0.0.1"])
+        n = str(tasks_per_node)
+        common = {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS": n,
+                  "SLURM_NTASKS_PER_NODE": n, "SLURM_NODEID": "0", "MASTER_PORT": str(free_port()),
+                  "PYTHON": sys.executable}
+        for task in range(tasks_per_node):
+            env = _slurm_env({**common, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)},
+                             bin_dir)
+            procs.append(subprocess.Popen(["bash", str(SRUN_TASK), *args], cwd=ROOT, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+        return [_finish(p, timeout) for p in procs]
+
+
+def _finish(p: subprocess.Popen, timeout: float) -> dict:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hung task: stop it and whatever it started
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+    return {"returncode": p.returncode, "output": readable(out)}
 
 
 def flags(command: list[str]) -> dict[str, str]:
