@@ -52,6 +52,10 @@ FLAGS_WRONG = {  # label: (answer, text its FAIL must name)
     "nodes counted as tasks per node": (
         _flags('env["SLURM_JOB_NUM_NODES"]', 'env["SLURM_NTASKS_PER_NODE"]'),
         JOB_4242 + "node 0: --nnodes is '1', the job has 2 nodes"),
+    # the world written in: right on the two-node jobs, wrong on the others
+    "two nodes written in": (
+        _flags('env["SLURM_JOB_NUM_NODES"]', '"2"'),
+        JOB_918273 + "node 0: --nnodes is '2', the job has 4 nodes"),
     "elastic 1:N nodes": (
         _flags('env["SLURM_JOB_NUM_NODES"]', '"1:" + env["SLURM_JOB_NUM_NODES"]'),
         JOB_4242 + "node 0: --nnodes is '1:2', the job has 2 nodes (MIN:MAX lets the "

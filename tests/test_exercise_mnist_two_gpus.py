@@ -146,6 +146,18 @@ LOADER_WRONG = {  # label: (answer, text its FAIL must name)
         "    mine = Subset(dataset, range(rank * per, (rank + 1) * per))\n"
         "    return DataLoader(mine, batch_size=batch_size)\n",
         "12 samples, rank 0 of 2, epoch 0: sample 0: got image 0"),
+    # the world size written in: right on the 2-rank sizes, wrong on 3 and 5 ranks
+    "num_replicas=2 written in": (
+        _sampler(SAMPLER.replace("num_replicas=world_size", "num_replicas=2")),
+        "10 samples, rank 0 of 3, epoch 0: got 5 samples, expected 4"),
+    # rank and world size read from torchrun's variables instead of the arguments
+    "RANK and WORLD_SIZE from the environment": (
+        "import os\nfrom torch.utils.data import DataLoader, DistributedSampler\n\n\n"
+        "def sharded_loader(dataset, rank, world_size, batch_size=64):\n"
+        "    sampler = DistributedSampler(dataset, int(os.environ['WORLD_SIZE']),\n"
+        "                                 int(os.environ['RANK']), seed=0)\n"
+        "    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)\n",
+        "12 samples, rank 0 of 2: raised KeyError: 'WORLD_SIZE'"),
     "a hand-made shard without padding": (
         _hand_sampler(""), "10 samples, rank 1 of 3, epoch 0: got 3 samples, expected 4"),
     "a hand-made shard padded once, not cyclically": (

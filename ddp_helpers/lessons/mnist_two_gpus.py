@@ -591,30 +591,37 @@ LOADER_SIZES = ((12, 2, 4), (10, 3, 3), (1001, 2, 64), (2, 5, 2))
 def loader_cases(sharded_loader) -> list:
     """The learner's loader against DistributedSampler (seed 0) on every rank of each of
     LOADER_SIZES: the samples in order at epochs 0 and 1 (loader.sampler.set_epoch(1) between
-    them, as a training loop calls it), and the sizes of the batches."""
+    them, as a training loop calls it), and the sizes of the batches. An answer that raises
+    on one rank fails that rank's case."""
     cases = []
     for n, world, batch in LOADER_SIZES:
-        numbers = torch.utils.data.TensorDataset(torch.arange(n))
         for rank in range(world):
-            loader = sharded_loader(numbers, rank, world, batch_size=batch)
-            expected = DistributedSampler(range(n), world, rank, shuffle=True, seed=0)
             label = f"{n} samples, rank {rank} of {world}"
-            batches = [b[0] for b in loader]
-            cases.append(_samples_case(f"{label}, epoch 0", batches, list(expected)))
-            want = [min(batch, len(expected) - i) for i in range(0, len(expected), batch)]
-            sizes = [len(b) for b in batches]
-            cases.append(Case(f"{label}: batch sizes (batch_size={batch})", sizes == want,
-                              f"got {_short(sizes)}, expected {_short(want)}"))
-            reshuffle = getattr(getattr(loader, "sampler", None), "set_epoch", None)
-            if reshuffle is None:
-                cases.append(case(f"{label}, epoch 1: loader.sampler.set_epoch", "missing",
-                                  "present"))
-                continue
-            reshuffle(1)  # the same loader, told the epoch
-            expected.set_epoch(1)
-            cases.append(_samples_case(f"{label}, epoch 1", [b[0] for b in loader],
-                                       list(expected)))
+            try:
+                cases += _rank_loader_cases(sharded_loader, label, n, rank, world, batch)
+            except Exception as e:  # noqa: BLE001 - a crash on one rank names that rank
+                cases.append(Case(label, False, f"raised {type(e).__name__}: "
+                                                f"{(str(e).splitlines() or [''])[0]}"))
     return cases
+
+
+def _rank_loader_cases(sharded_loader, label: str, n: int, rank: int, world: int,
+                       batch: int) -> list:
+    numbers = torch.utils.data.TensorDataset(torch.arange(n))
+    loader = sharded_loader(numbers, rank, world, batch_size=batch)
+    expected = DistributedSampler(range(n), world, rank, shuffle=True, seed=0)
+    batches = [b[0] for b in loader]
+    cases = [_samples_case(f"{label}, epoch 0", batches, list(expected))]
+    want = [min(batch, len(expected) - i) for i in range(0, len(expected), batch)]
+    sizes = [len(b) for b in batches]
+    cases.append(Case(f"{label}: batch sizes (batch_size={batch})", sizes == want,
+                      f"got {_short(sizes)}, expected {_short(want)}"))
+    reshuffle = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+    if reshuffle is None:
+        return [*cases, case(f"{label}, epoch 1: loader.sampler.set_epoch", "missing", "present")]
+    reshuffle(1)  # the same loader, told the epoch
+    expected.set_epoch(1)
+    return [*cases, _samples_case(f"{label}, epoch 1", [b[0] for b in loader], list(expected))]
 
 
 def _samples_case(label: str, batches: list, expected: list[int]):
