@@ -20,7 +20,7 @@ from pathlib import Path
 import ddp_helpers as dh
 from bench import fault_fns
 from bench.common import write_table
-from ddp_helpers.engine.census import wait_for_no_descendants
+from ddp_helpers.engine import wait_for_no_descendants
 
 TWO_LAUNCHES = """
 import ddp_helpers as dh

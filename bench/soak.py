@@ -20,7 +20,7 @@ import psutil  # noqa: E402
 import ddp_helpers as dh  # noqa: E402
 from bench import fault_fns, rank_work  # noqa: E402
 from bench.common import median, timed, write_table  # noqa: E402
-from ddp_helpers.engine.census import rank_descendants, wait_for_no_descendants  # noqa: E402
+from ddp_helpers.engine import rank_descendants, wait_for_no_descendants  # noqa: E402
 
 
 def census() -> dict[str, int]:

@@ -6,7 +6,7 @@ import pytest
 
 import ddp_helpers as dh
 from ddp_helpers import exercises
-from ddp_helpers.engine.census import rank_descendants, wait_for_no_descendants
+from ddp_helpers.engine import rank_descendants, wait_for_no_descendants
 
 # Tests of the two-GPU paths (NCCL, one GPU per rank, cuda:0 -> cuda:1 copies) skip elsewhere.
 needs_two_gpus = pytest.mark.skipif(dh.gpu_count() < 2, reason="needs two CUDA GPUs")

@@ -1,8 +1,11 @@
 """Which parts of the package may import which (README, "How the kit is built"): the engine
 (ddp_helpers/engine/) starts, supervises and talks to ranks; the teaching library is what the
 lessons use. Lessons and plots reach the engine only through the public API; the engine imports
-no lesson, plot or notebook-side module; nothing outside the engine reaches past its face
-(ddp_helpers/engine/__init__.py). Read from the source, so a new import is caught before it runs.
+no lesson, plot or notebook-side module; nothing outside the engine (bench/ included) reaches
+past its face (ddp_helpers/engine/__init__.py). Inside the engine, each room imports only the
+rooms below it (the wire nothing of the kit, the rank side only the wire and the foundation),
+and nowhere in the package does a lower room import a higher one or an import run in a circle.
+Read from the source (imports inside functions too), so a new import is caught before it runs.
 """
 
 import ast
@@ -17,7 +20,26 @@ ENGINE = "ddp_helpers.engine"
 # What the engine may import from the rest of the kit: the rank side sets up the process group.
 # The rank side of the library: the process group, version probes, and the ledger of collectives
 # (every rank records its calls there, so that the engine can name a mismatch).
-ENGINE_MAY_USE = {"ddp_helpers.runtime", "ddp_helpers.compat", "ddp_helpers.ledger"}
+FOUNDATION = {"ddp_helpers.runtime", "ddp_helpers.compat", "ddp_helpers.ledger"}
+ENGINE_MAY_USE = FOUNDATION
+# The engine's rooms from the bottom up; its top-level modules (launch, ranks, magic, ...) are
+# the front, above them all. A room may import itself and the rooms below it.
+ENGINE_ROOMS = ["wire", "rank", "sets", "rules", "words"]
+# What the rank side may import besides itself: it runs inside every rank, preloaded.
+RANK_SIDE_MAY_USE = {"ddp_helpers.engine.wire"} | FOUNDATION
+# The package's rooms from the bottom up (a module not listed is the teaching library's).
+PACKAGE_ROOMS = {
+    "foundation": FOUNDATION,
+    "engine": {"ddp_helpers.engine"},
+    # The package's face (`import ddp_helpers as dh`, the public API every room may use) and
+    # every other top-level module not named here.
+    "library": {"ddp_helpers"},
+    "lessons": {"ddp_helpers.lessons", "ddp_helpers.solutions"},
+    "plots": {"ddp_helpers.plots"},
+    "front": {"ddp_helpers.__main__", "ddp_helpers.mnist", "ddp_helpers.serve",
+              "ddp_helpers.lab", "ddp_helpers.widgets"},
+}
+ROOM_ORDER = list(PACKAGE_ROOMS)
 
 
 def module_name(path: Path) -> str:
@@ -121,7 +143,7 @@ def test_nothing_of_the_engine_lies_flat_among_the_teaching_modules():
 
 @pytest.mark.parametrize("source, expected", [
     ("from ddp_helpers.engine.launch import check_launch\n", "ddp_helpers.engine.launch"),
-    ("from ..engine import supervisor\n", "ddp_helpers.engine.supervisor"),
+    ("from ..engine import ranks\n", "ddp_helpers.engine.ranks"),
     ("import ddp_helpers.engine.ranks as r\n", "ddp_helpers.engine.ranks"),
     ("from ddp_helpers import engine\n", "ddp_helpers.engine"),
 ])
@@ -131,3 +153,103 @@ def test_the_lesson_rule_sees_every_spelling_of_an_engine_import(source, expecte
     # dh.launch is a name of the package's face, runtime a module of the teaching library
     assert imported("from .. import launch, runtime\n", "ddp_helpers.lessons.some_lesson") == {
         "ddp_helpers", "ddp_helpers.runtime"}
+
+
+def engine_room(name: str) -> int:
+    """The height of an engine module: its room's place in ENGINE_ROOMS, the front above."""
+    parts = name.split(".")
+    return ENGINE_ROOMS.index(parts[2]) if len(parts) > 3 and parts[2] in ENGINE_ROOMS \
+        else len(ENGINE_ROOMS)
+
+
+def test_each_engine_room_imports_only_itself_and_the_rooms_below():
+    engine = [p for p in sources("engine") if p.name != "__init__.py" or p.parent.name != "engine"]
+    bad = []
+    for p in engine:
+        mine = engine_room(module_name(p))
+        for name in sorted(imports_of(p)):
+            if within(name, ENGINE) and name != ENGINE and engine_room(name) > mine:
+                bad.append(f"{p.relative_to(REPO)} imports {name}, a room above it")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_wire_imports_nothing_of_the_kit_and_the_rank_side_only_the_wire_and_foundation():
+    bad = violations(sources("engine/wire"), lambda name: within(name, ENGINE + ".wire"))
+    bad += violations(sources("engine/rank"), lambda name: within(name, ENGINE + ".rank") or any(
+        within(name, allowed) for allowed in RANK_SIDE_MAY_USE))
+    assert not bad, "\n".join(bad)
+
+
+def package_room(name: str) -> str:
+    for room, members in PACKAGE_ROOMS.items():
+        if name in members or any(within(name, m) for m in members if m != "ddp_helpers"):
+            return room
+    return "library"  # a teaching-library module
+
+
+# Imports back up still to be taken away (each with its reason); the list only shrinks.
+KNOWN_BACK_UP = {("ddp_helpers.exercises", "ddp_helpers.lessons")}  # discovery, until a table
+
+
+def test_no_lower_room_of_the_package_imports_a_higher_one():
+    bad = []
+    for p in PACKAGE.rglob("*.py"):
+        if any(module_name(p) == low for low, _ in KNOWN_BACK_UP):
+            continue
+        mine = ROOM_ORDER.index(package_room(module_name(p)))
+        for name in sorted(imports_of(p)):
+            theirs = ROOM_ORDER.index(package_room(name))
+            if theirs > mine:
+                bad.append(f"{p.relative_to(REPO)} ({ROOM_ORDER[mine]}) imports {name} "
+                           f"({ROOM_ORDER[theirs]})")
+    assert not bad, "an import back up:\n" + "\n".join(bad)
+
+
+def test_no_import_runs_in_a_circle():
+    graph = {module_name(p): {n for n in imports_of(p) if n != module_name(p)}
+             for p in PACKAGE.rglob("*.py")}
+    circles = [c for c in strongly_connected(graph) if len(c) > 1]
+    assert not circles, "modules that import each other, directly or round a circle:\n" + \
+        "\n".join(" <-> ".join(sorted(c)) for c in circles)
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's strongly connected components of `graph` (a package imports its __init__, so
+    a package's name stands for its face)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_bench_uses_the_public_api_and_the_teaching_library_only():
+    paths = sorted((REPO / "bench").glob("*.py"))
+    bad = [f"{p.relative_to(REPO)} imports {name}" for p in paths
+           for name in sorted(imported(p.read_text(), f"bench.{p.stem}"))
+           if within(name, ENGINE) and name != ENGINE]
+    assert not bad, ("bench/ reaches past the engine's face; import from ddp_helpers or "
+                     "ddp_helpers.engine:\n" + "\n".join(bad))

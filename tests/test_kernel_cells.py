@@ -1,6 +1,8 @@
 """%%ranks in a real Jupyter kernel, as a frontend sees it (jupyter_client, iopub messages): the
-live view of a long cell, nothing extra for a fast one, the stop button's one sentence, and the
-line the last `%ranks stop` of a lesson prints."""
+live view of a long cell, nothing extra for a fast one, the stop button's one sentence, the
+line the last `%ranks stop` of a lesson prints, every cell named by the number its prompt
+shows, and pdb on a rank driven through the notebook's input box (input_request answered as a
+person would)."""
 
 import time
 
@@ -27,11 +29,20 @@ def _env():
     return {**os.environ, "DDP_HELPERS_LIVE_VIEW": "1"}
 
 
-def run(kc, code: str, timeout: float = 120, interrupt_after=None, km=None) -> list[dict]:
-    """Execute `code`; every iopub message of that execution, until the kernel is idle."""
-    msg_id = kc.execute(code, allow_stdin=False)
+def run(kc, code: str, timeout: float = 120, interrupt_after=None, km=None,
+        answers: list[str] | None = None) -> list[dict]:
+    """Execute `code`; every iopub message of that execution, until the kernel is idle. With
+    `answers`, stdin is on and each input_request is answered with the next one (its prompt
+    is recorded as a message of type "input_request")."""
+    msg_id = kc.execute(code, allow_stdin=answers is not None)
     messages, start, interrupted = [], time.monotonic(), False
+    answers = list(answers or [])
     while True:
+        if answers is not None and kc.stdin_channel.msg_ready():
+            request = kc.get_stdin_msg(timeout=1)
+            messages.append({"msg_type": "input_request", "content": request["content"],
+                             "parent_header": request["parent_header"]})
+            kc.input(answers.pop(0) if answers else "q")
         if interrupt_after and not interrupted and time.monotonic() - start > interrupt_after:
             km.interrupt_kernel()  # the notebook's stop button
             interrupted = True
@@ -114,3 +125,60 @@ def test_stop_says_how_to_get_the_ranks_back_and_every_refusal_agrees(kernel):
     said = "".join(m["content"].get("text", "") for m in checked if m["msg_type"] == "stream")
     assert said.startswith("NOT ATTEMPTED naive_all_reduce: no ranks are running: "
                            "`%ranks start 2`"), said
+
+
+def text_of(messages) -> str:
+    """What the cell showed: its streams, its error's text, and the prompts it asked with."""
+    parts = []
+    for m in messages:
+        c = m["content"]
+        if m["msg_type"] == "stream":
+            parts.append(c["text"])
+        elif m["msg_type"] == "error":
+            parts.append("\n".join(c["traceback"]))
+        elif m["msg_type"] == "input_request":
+            parts.append(f"<asked: {c['prompt']}>")
+    return "".join(parts)
+
+
+def prompt_number(messages) -> int:
+    return next(m["content"]["execution_count"] for m in messages
+                if m["msg_type"] == "execute_input")
+
+
+@pytest.fixture
+def ranks(kernel):
+    """Fresh ranks in the module's kernel, stopped when the test ends (none outlives it)."""
+    _, kc = kernel
+    run(kc, "%ranks start 2 --output none --backend gloo")
+    yield kc
+    run(kc, "%ranks stop")
+
+
+def test_every_cell_is_named_by_the_number_its_prompt_shows(ranks):
+    kc = ranks
+    raised = run(kc, "%%ranks\nif rank == 1:\n    raise ValueError('bad shard')\n")
+    n = prompt_number(raised)
+    assert f'File "<cell In [{n}]>", line 3' in text_of(raised), text_of(raised)
+    mismatch = run(kc, "%%ranks\nif rank == 0:\n    dist.barrier()\n")
+    n = prompt_number(mismatch)
+    assert f"rank 0 is in barrier #1 (In [{n}], line 3)" in text_of(mismatch)
+    ledger = run(kc, "%%ranks --ledger\nt = torch.ones(2)\ndist.all_reduce(t)\n")
+    assert f"Collectives of In [{prompt_number(ledger)}]" in text_of(ledger)
+
+
+def test_post_mortem_in_the_notebook_reads_rank_1s_variables_and_the_ranks_go_on(ranks):
+    kc = ranks
+    run(kc, "%%ranks\nkept = rank + 100\n")
+    failed = run(kc, "%%ranks\nx = torch.tensor([1.0, float('nan')]) * rank\nloss = x.sum()\n"
+                     "if loss.isnan():\n    raise ValueError('loss is NaN')\n")
+    n = prompt_number(failed)
+    session = run(kc, "%ranks debug 1", answers=["p loss", "p x", "p kept", "q"])
+    shown = text_of(session)
+    prompts = [m for m in session if m["msg_type"] == "input_request"]
+    assert len(prompts) == 4 and prompts[0]["content"]["prompt"] == "(Pdb rank 1) "
+    assert f"Post-mortem of rank 1, where In [{n}] raised" in shown
+    assert f"> In [{n}], line 5, <module>()" in shown, shown
+    assert "tensor(nan)" in shown and "tensor([1., nan])" in shown and "101" in shown
+    after = run(kc, "%%ranks\nt = torch.tensor([float(kept)])\ndist.all_reduce(t)\nt.item()\n")
+    assert "[rank 0] Out: 201.0" in text_of(after) and "[rank 1] Out: 201.0" in text_of(after)

@@ -13,7 +13,8 @@ import rank_fns
 from conftest import rank_processes, wait_no_rank_processes
 
 import ddp_helpers as dh
-from ddp_helpers.engine.tracebacks import main_thread_stack
+from ddp_helpers.engine.words.failures import timeout_error
+from ddp_helpers.engine.words.tracebacks import main_thread_stack
 
 # A launch that must hang: long enough for both ranks to start and print on a loaded machine.
 HANG_TIMEOUT = 15
@@ -158,7 +159,7 @@ def test_timeout_shows_where_each_rank_was(no_leftovers):
     assert "in rank_one_skips_barrier" in stacks[0] and "inside torch: barrier" in stacks[0]
     assert "in rank_one_skips_barrier" in stacks[1] and "inside torch" not in stacks[1]
     assert "Where each rank was when it was stopped" in str(e.value)
-    assert "rank_entry.py" not in str(e.value)  # the kit's plumbing is left out
+    assert "engine/rank/entry.py" not in str(e.value)  # the kit's plumbing is left out
 
 
 # faulthandler's dump of a rank that hung after its function returned, while freeing the DDP
@@ -168,11 +169,11 @@ RETURNED_DUMP = """Thread 0x00007f701b7fe6c0 (most recent call first):
 
 Thread 0x00007f70307ff6c0 (most recent call first):
   File "/usr/lib/python3.11/multiprocessing/connection.py", line 395 in _recv
-  File "/kit/ddp_helpers/engine/rank_entry.py", line 116 in watch
+  File "/kit/ddp_helpers/engine/rank/entry.py", line 116 in watch
   File "/usr/lib/python3.11/threading.py", line 982 in run
 
 Current thread 0x00007f714148ab80 (most recent call first):
-  File "/kit/ddp_helpers/engine/rank_entry.py", line 82 in rank_entry
+  File "/kit/ddp_helpers/engine/rank/entry.py", line 82 in rank_entry
   File "/venv/lib/python3.11/site-packages/torch/multiprocessing/spawn.py", line 95 in _wrap
   File "/usr/lib/python3.11/multiprocessing/process.py", line 108 in run
 """
@@ -181,8 +182,7 @@ Current thread 0x00007f714148ab80 (most recent call first):
 def test_a_rank_stuck_after_its_function_returned_is_said_so():
     where = main_thread_stack(RETURNED_DUMP)
     assert "its function had returned" in where and "freeing" in where
-    text = str(dh.LaunchTimeout.from_unfinished([1], 2, {1: "epoch 1 step 10/10"},
-                                                stacks={1: RETURNED_DUMP}))
+    text = str(timeout_error([1], 2, {1: "epoch 1 step 10/10"}, stacks={1: RETURNED_DUMP}))
     assert "Where each rank was" in text and "its function had returned" in text
     assert main_thread_stack("") == ""  # no dump at all: nothing to say
 

@@ -20,9 +20,10 @@ CELLS = {
               "    dist.all_reduce(a)",
               ["rank 0 is in all_reduce #1 float32[4] (In [5], line 4)",
                "rank 1 is in broadcast #1 float32[2] (In [5], line 7)", "another order"]),
+    # gloo may abort a rank whose data did not fit (then "gloo aborted rank 0 ... in"):
     "shapes": ("t = torch.ones(4 + rank)\ndist.all_reduce(t)",
-               ["rank 0 is in all_reduce #1 float32[4] (In [5], line 3)",
-                "rank 1 is in all_reduce #1 float32[5] (In [5], line 3)",
+               ["0 (", "all_reduce #1 float32[4] (In [5], line 3)",
+                "all_reduce #1 float32[5] (In [5], line 3)",
                 "float32[4] on rank 0, float32[5] on rank 1"]),
     "dtypes": ("t = torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)\n"
                "dist.all_reduce(t)",
@@ -40,9 +41,21 @@ CELLS = {
     "group": ("g = dist.new_group([0, 1])\nt = torch.ones(4)\n"
               "dist.all_reduce(t, group=g if rank == 1 else None)",
               ["rank 0 is in all_reduce #1 float32[4] in the world group (In [5], line 4)",
-               "rank 1 is in all_reduce #1 float32[4] in ranks [0, 1] (In [5], line 4)",
-               "different groups"]),
+               "rank 1 is in all_reduce #1 float32[4] in ranks [0, 1] (In [5], line 4) "
+               "(another group of the same ranks", "different groups"]),
+    # uneven data: one batch fewer on rank 0, then a barrier meets rank 1's last all_reduce
+    "uneven": ("t = torch.ones(4)\nfor step in range(3 + rank):\n    dist.all_reduce(t)\n"
+               "dist.barrier()",
+               ["rank 0 is in barrier #4 (In [5], line 5)",
+                "rank 1 is in all_reduce #4 float32[4] (In [5], line 4)",
+                "Rank 0 made fewer all_reduce calls than rank 1", "uneven data", "Join"]),
+    "p2p": ("t = torch.ones(4)\nif rank == 0:\n    dist.recv(t, src=1)\nelse:\n"
+            "    dist.all_reduce(t)",
+            ["rank 0 is in recv #1 float32[4] from rank 1 (In [5], line 4)",
+             "rank 1 is in all_reduce #1 float32[4] (In [5], line 6)",
+             "every send needs a recv"]),
 }
+KINDS = {"order": "ops", "dtypes": "shapes", "uneven": "ops"}
 
 
 @pytest.fixture
@@ -63,7 +76,7 @@ def test_a_mismatch_in_a_cell_is_named_and_the_next_cell_works(pool, kind):
     for part in expected:
         assert part in text
     assert "enforce fail" not in text and "pair.cc" not in text  # gloo's C++ line is not quoted
-    assert e.value.finding.kind == {"order": "ops", "dtypes": "shapes"}.get(kind, kind)
+    assert e.value.finding.kind == KINDS.get(kind, kind)
     assert "Every rank was stopped (the collectives did not match)" in text
     assert pool.run("t = torch.ones(2)\ndist.all_reduce(t)\nt.tolist()") == [[2.0, 2.0]] * 2
 
@@ -114,3 +127,37 @@ def test_a_mismatch_within_a_learners_group_is_named_after_its_grace(pool):
         pool.run(code)
     assert e.value.finding.kind == "ops" and e.value.finding.call.group == "ranks [0, 1]"
     assert "all_reduce #1 float32[4] in ranks [0, 1]" in str(e.value)
+
+
+def test_an_aborted_rank_is_said_to_be_aborted_before_where_it_was():
+    """gloo aborts (SIGABRT) a rank whose collective's data did not fit: the message leads
+    with that, where it names the rank (whether gloo aborts is up to gloo, so this reads the
+    words for a finding as the rules make it)."""
+    import signal
+
+    from ddp_helpers.engine.rules.mismatch import Finding
+    from ddp_helpers.engine.words.mismatch import explain
+    from ddp_helpers.ledger import Call
+
+    mine = Call(1, "all_reduce", "world", ((4,),), ("float32",), 16, ("<cell 3>", 2))
+    theirs = Call(1, "all_reduce", "world", ((5,),), ("float32",), 20, ("<cell 3>", 2))
+    f = Finding("shapes", 0, 1, mine, theirs, 1, 0.0)
+    text = explain(f, 2, lambda w: f"line {w[1]}", 0.5, exitcodes={0: -signal.SIGABRT})
+    assert "gloo aborted rank 0 (SIGABRT: the data that arrived did not fit) in all_reduce #1 " \
+        "float32[4] (line 2); rank 1 is in all_reduce #1 float32[5]" in text, text
+    assert "rank 0 is in" not in text
+
+
+def test_collectives_that_do_not_pair_in_a_cell_every_rank_finished_are_warned_of(pool,
+                                                                                  capsys):
+    """An async all-reduce on one rank only returns at once (as NCCL's collectives all do):
+    every rank finishes the cell, and the kit says that the ledgers do not pair."""
+    pool.run("t = torch.ones(4)\nif rank == 0:\n    work = dist.all_reduce(t, async_op=True)",
+             label="In [5]", first_line=2)
+    out = capsys.readouterr().out
+    assert "warning: every rank finished this cell, but their collectives do not pair" in out
+    assert "rank 0 called all_reduce #1 float32[4] (In [5], line 4) where rank 1 made only 0 " \
+        "collectives" in out, out
+    pool.restart()  # rank 0's all-reduce is still pending: a fresh group
+    pool.run("t = torch.ones(4)\ndist.all_reduce(t)")
+    assert "warning" not in capsys.readouterr().out  # a sound cell says nothing

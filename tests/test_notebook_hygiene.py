@@ -23,7 +23,7 @@ MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:home|root|Users|tmp|work)/|[A-Za-z]:
                           r"|site-packages|dist-packages")
 # The engine's own modules: a relayed rank traceback may show a lesson's or the learner's
 # frames, never these.
-LAUNCHER_FILE = re.compile(r"ddp_helpers[/\\]engine[/\\]\w+\.py")
+LAUNCHER_FILE = re.compile(r"ddp_helpers[/\\]engine[/\\](?:\w+[/\\])*\w+\.py")
 # IPython's own frame lines ("File .../ddp_helpers/launch.py:62, in launch(...)") in an `error`
 # output: an error raised on purpose renders as the kit's message alone. A rank's stack quoted in
 # that message ('File "ddp_helpers/lessons/x.py", line 3') is the lesson's code and may stay.

@@ -6,22 +6,23 @@ from multiprocessing.connection import Client, Listener
 
 import pytest
 
-from ddp_helpers.engine.protocol import (
+from ddp_helpers.engine.wire.channel import Channel, Unreadable
+from ddp_helpers.engine.wire.messages import (
     AskWhere,
-    Channel,
     Error,
+    Frame,
     Ok,
     Push,
     Ready,
     RunCell,
     Stop,
-    Unreadable,
     Where,
 )
 
 MESSAGES = [RunCell(3, "t = 1\nt", ("t",)), Push({"lr": 0.1}), Stop(), AskWhere(),
             Ok(2.0, {"t": 1}), Ready(pid=12, device="cpu", backend="gloo"),
-            Error("ValueError", "bad batch", "Traceback ..."), Where(in_comm=True, cell="<cell 3>")]
+            Error("ValueError", "bad batch", "Traceback ..."),
+            Where(in_comm=True, frame=Frame("<cell 3>", 2, "<module>", "dist.barrier()"))]
 
 
 def pipe_pair():

@@ -13,7 +13,7 @@ import pytest
 from conftest import wait_no_rank_processes
 
 import ddp_helpers as dh
-from ddp_helpers.engine.census import pid_alive
+from ddp_helpers.engine.sets.census import pid_alive
 
 
 @pytest.fixture

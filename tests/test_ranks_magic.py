@@ -15,7 +15,7 @@ def shell(no_leftovers):
     pool = ranks_module.current()
     if pool is not None:
         pool.stop()
-    ranks_module._current = None
+    ranks_module.forget_current()
 
 
 def run(ip, source):
@@ -121,7 +121,7 @@ def test_bad_start_lines_are_refused(shell, line, match):
 
 
 def test_a_ranks_cell_before_start_says_how_to_start(shell):
-    ranks_module._current = None
+    ranks_module.forget_current()
     err = run(shell, "%%ranks\n1")
     assert isinstance(err, dh.LaunchRefused) and "%ranks start 2" in str(err)
 
@@ -133,7 +133,8 @@ def test_help_lists_every_subcommand_and_option(shell, capsys):
         assert run(shell, line) is None
         assert capsys.readouterr().out.strip() == HELP.strip()
     for word in ("start", "status", "restart", "stop", "listen", "--backend", "--timeout",
-                 "--no-group", "--output", "--env", "--targets", "--return", "Example"):
+                 "--no-group", "--output", "--env", "--targets", "--return", "Example", "debug",
+                 "where", "compare", "--commands"):
         assert word in HELP, word
     assert ranks_module.current() is None  # help starts nothing
 

@@ -20,9 +20,11 @@ import time
 import pytest
 
 import ddp_helpers as dh
-from ddp_helpers.engine import auth, served_rank
-from ddp_helpers.engine.listen import Attached, Listener
-from ddp_helpers.engine.sockets import Hello, Setup, channel, parse_address, recv_small
+from ddp_helpers.engine.rank import serve as served_rank
+from ddp_helpers.engine.sets.listener import Attached, Listener
+from ddp_helpers.engine.wire import auth
+from ddp_helpers.engine.wire.channel import over_socket, parse_address
+from ddp_helpers.engine.wire.messages import Hello, Setup
 from ddp_helpers.lessons import beyond_one_machine as lesson
 
 HANG_GUARD = 240  # seconds: only stops a hung run, never a pass/fail criterion
@@ -64,7 +66,7 @@ def test_two_torchrun_nodes_attach_run_collectives_and_report_a_killed_worker(tm
         lesson.agents_ended(agents, timeout=30)
 
 
-def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path):
+def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path, capsys):
     # Served ranks send their ledger lines over the connection: --ledger's record and the
     # mismatch naming work as for the ranks the kit forks.
     pool = dh.Ranks.listen(2, timeout=60)
@@ -77,6 +79,13 @@ def test_served_ranks_feed_the_ledger_and_a_mismatch_is_named(tmp_path):
         assert [[c.text() for c in calls[r]] for r in (0, 1)] == \
             [["all_reduce #1 float32[3]", "broadcast #2 float32[3]"]] * 2
         assert pool.place(calls[1][1].where) == "In [4], line 4"
+        # Looking inside served ranks works as for forked ones: post-mortem, where, compare.
+        with pytest.raises(dh.RankRaised):
+            pool.run("y = t * rank\nif rank == 1:\n    raise KeyError('y')", output="none")
+        assert "keeps for post-mortem (%ranks debug 1): KeyError" in str(pool.where())
+        pool.debug(1, commands=["p y", "q"])
+        assert "(Pdb rank 1) p y\ntensor([2., 2., 2.])" in capsys.readouterr().out
+        assert pool.compare("t", "y").differs == ["y"]
         with pytest.raises(dh.CollectiveMismatch) as info:
             pool.run("t = torch.ones(4)\nif rank == 0:\n    dist.all_reduce(t)\nelse:\n"
                      "    dist.broadcast(t, src=0)", label="In [5]", first_line=2,
@@ -105,10 +114,10 @@ def _hello_from(pool, hello: Hello):
     host, port = parse_address(pool.address)
     sock = socket.create_connection((host, port), timeout=10)
     auth.answer_challenge(sock, auth.read_token(pool.token_file), seconds=10)
-    chan = channel(sock)
+    chan = over_socket(sock)
     try:
         chan.send(hello)
-        return recv_small(chan, 10)
+        return chan.recv_small(10)
     finally:
         chan.transport.close()
 

@@ -1,12 +1,27 @@
 """The engine: start ranks, supervise them, relay their output, talk to them, and stop them, for
 one-shot launches (`launch`) and persistent ranks (`Ranks`, the `%%ranks` magics) alike.
 
-What the rest of the kit may use is re-exported here; the modules below are the engine's own.
-Lessons and plots reach the engine only through the public API (`import ddp_helpers as dh`), and
-the engine never imports a lesson (tests/test_boundaries.py holds both rules).
+Rooms, from the bottom up (each imports only rooms below it; tests/test_boundaries.py holds it):
+    wire/    what crosses between the parent and a rank: messages, the channel, the ledger
+             line, the served rank's handshake (auth); imports nothing of the kit
+    rank/    what runs inside a rank: a forked rank's entry, the cell server, its link (pipes
+             or a socket), where its main thread is, `python -m ddp_helpers.serve`
+    sets/    the parent's side of a set of ranks, one seam (base.RankSet) and two kinds:
+             forked over pipes, attached over sockets (the listener lets them in)
+    rules/   when to stop waiting: the wait loop, the stall rule, the mismatch in the ledgers
+    words/   every sentence about a failure (failures.py), the errors, cell names, tracebacks
+    front:   launch.py, ranks.py (+ starters.py), magic.py (+ commands.py), options.py
+What the rest of the kit may use is re-exported here.
 """
 
-from .errors import (
+from .launch import launch
+from .magic import load_ipython_extension
+from .rank.serve import main as serve_main  # noqa: F401 - python -m ddp_helpers.serve
+from .ranks import Ranks, current, start_command  # noqa: F401 - for exercises: the pool %%ranks uses
+from .sets.base import looks_like_peer_failure
+from .sets.census import rank_descendants, wait_for_no_descendants  # noqa: F401 - for bench/
+from .sets.start import free_port
+from .words.errors import (
     CollectiveMismatch,
     LaunchError,
     LaunchRefused,
@@ -14,13 +29,7 @@ from .errors import (
     RankDied,
     RankRaised,
 )
-from .launch import launch
-from .magic import load_ipython_extension
-from .ranks import Ranks, current, start_command  # noqa: F401 - for exercises: the pool %%ranks uses
-from .served_rank import main as serve_main  # noqa: F401 - python -m ddp_helpers.serve
-from .start import free_port
-from .supervisor import looks_like_peer_failure
-from .tracebacks import clean_error_text, clean_traceback
+from .words.tracebacks import clean_error_text, clean_traceback
 
 # What ddp_helpers re-exports as public API (`current`, the pool the magics use, stays the kit's).
 __all__ = [

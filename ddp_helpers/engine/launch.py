@@ -1,20 +1,19 @@
 """Parent side of a one-shot run: start N ranks on fn(rank, *args) from a notebook or a script,
 relay their output into the caller, bring their results and errors back, enforce the timeout, and
-leave no process behind. The processes themselves are handled by supervisor.RankSet.
+leave no process behind. The processes are a sets.ForkedSet; the waiting is the rules'; the
+error is worded by words.failures.
 """
 
 from __future__ import annotations
 
 import time
 
-from .errors import CollectiveMismatch, LaunchError, LaunchTimeout, RankDied, RankRaised
-from .mismatch import aborted_note, explain
 from .options import check_launch
-from .protocol import Ok
-from .start import free_port
-from .supervisor import DRAIN_SECONDS, Priority, RankSet
-from .tracebacks import shorten_path
-from .watch import CellWatch, Outcome, give_up_once_settled, wait
+from .rules.wait import CellWatch, Outcome, give_up_once_settled, wait
+from .sets.forked import DRAIN_SECONDS, ForkedSet
+from .sets.start import free_port
+from .wire.messages import Ok, RunFunction
+from .words import failures
 
 
 def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
@@ -49,77 +48,30 @@ def launch(fn, args: tuple = (), nprocs: int = 2, timeout: float = 300, *,
         Every error stops all ranks at once and keeps finished ranks' values in `.results`.
         MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK are set for the ranks only.
     """
-    payload, extra_env, port = check_launch(fn, args, nprocs, timeout, start_method, output,
-                                            env=env, backend=backend, master_port=master_port)
-    ranks = RankSet(nprocs, start_method)
+    extra_env, port = check_launch(fn, args, nprocs, timeout, start_method, output, env=env,
+                                   backend=backend, master_port=master_port)
+    ranks = ForkedSet(nprocs, start_method, output=output)
     try:
-        ranks.start(payload, extra_env, port or free_port(), output)
+        ranks.start(RunFunction(fn, args), extra_env, port or free_port())
         watch = CellWatch(ranks, list(range(nprocs)))  # for its mismatch rule: the ledgers
         outcome = wait(ranks, ranks.all_exited, time.monotonic() + timeout, give_up_once_settled,
                        watch.mismatched)
-        stacks = ranks.dump_stacks(_unfinished(ranks)) if outcome is Outcome.TIMEOUT else {}
-        mismatch = _mismatch(ranks, outcome, watch)
+        unfinished = watch.unfinished()
+        stacks = ranks.dump_stacks(unfinished) if outcome is Outcome.TIMEOUT else {}
+        evidence = watch.evidence(outcome, stacks)
     except BaseException:  # KeyboardInterrupt included: stop everything, then re-raise
-        ranks.shutdown(drain=0)
+        ranks.shutdown(polite=False)
         raise
     ranks.shutdown(drain=DRAIN_SECONDS)
-    error = mismatch or _error(ranks, outcome, stacks)
+    results = _results(ranks)
+    error = failures.error(evidence, failures.Run("launch", results=results))
     if error is not None:
         raise error
-    return _results(ranks)
+    return results
 
 
-def _mismatch(ranks: RankSet, outcome: Outcome, watch: CellWatch) -> CollectiveMismatch | None:
-    """A stall the ledgers explain, or an abort (and its knock-on errors) they explain."""
-    failure = ranks.failure()
-    if outcome is not Outcome.STALLED and (
-            failure is None or failure.priority < Priority.ABORTED):
-        return None  # a rank's own error or death is the cause, not a mismatch
-    ranks.drain_output()  # the ledger lines still in the pipes
-    finding = watch.mismatch()
-    if finding is None:
-        return None
-    text = explain(finding, ranks.nprocs, _place, time.monotonic(), "returned")
-    return CollectiveMismatch.from_finding(
-        finding, text + aborted_note(ranks.exitcodes), watch.unfinished(),
-        "Every rank was stopped.", results=_results(ranks), finished=ranks.finished())
-
-
-def _place(where: tuple[str, int]) -> str:
-    return f"{shorten_path(where[0])}, line {where[1]}"
-
-
-def _results(ranks: RankSet) -> list:
+def _results(ranks: ForkedSet) -> list:
     """Each rank's return value, None for a rank that did not return one."""
     replies = ranks.replies()
     return [replies[r].value if isinstance(replies.get(r), Ok) else None
             for r in range(ranks.nprocs)]
-
-
-def _unfinished(ranks: RankSet) -> list[int]:
-    """Ranks without a result, and ranks whose process has not exited after returning one."""
-    done = ranks.finished()
-    return [r for r in range(ranks.nprocs) if r not in done or r not in ranks.exitcodes]
-
-
-def _error(ranks: RankSet, outcome: Outcome, stacks: dict[int, str]) -> LaunchError | None:
-    """The error to raise for a finished run, or None if every rank returned."""
-    done = ranks.finished()
-    kw = {"results": _results(ranks), "finished": done}
-    if outcome is Outcome.TIMEOUT:
-        unfinished = _unfinished(ranks)
-        last = {r: ranks.relay.last_line(r) for r in unfinished}
-        lingering = [r for r in unfinished if r in done]
-        consequence = "Every rank was stopped." + (
-            f" Rank(s) {', '.join(map(str, lingering))} had returned a value but their process "
-            "did not exit: a non-daemon thread or a child process it started was still running."
-            if lingering else "")
-        return LaunchTimeout.from_unfinished(unfinished, ranks.nprocs, last, stacks=stacks,
-                                             consequence=consequence, **kw)
-    failure = ranks.failure()
-    if failure is None:
-        return None
-    if failure.raised:
-        return RankRaised.from_error(failure.rank, ranks.nprocs, failure.error, **kw)
-    return RankDied.from_exit(failure.rank, ranks.nprocs, failure.exitcode,
-                              ranks.relay.last_line(failure.rank), **kw)

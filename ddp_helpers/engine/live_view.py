@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable
 
-from .protocol import Where
+from .wire.messages import Where
 
 LIVE_AFTER = 2.0  # seconds before the view appears: most cells have answered by then
 REFRESH = 1.0  # seconds between updates; each asks every unfinished rank where it is
@@ -47,8 +47,8 @@ def display_factory() -> Callable[[str], Callable[[str], None]] | None:
 class LiveView:
     """The view of one request: call tick() as the wait loop turns, close() when it ends."""
 
-    def __init__(self, watch, show: Callable[[str], Callable[[str], None]] | None):
-        self.watch, self.show = watch, show
+    def __init__(self, watch, labels, show: Callable[[str], Callable[[str], None]] | None):
+        self.watch, self.labels, self.show = watch, labels, show
         self._update: Callable[[str], None] | None = None
         self._next = watch.started + LIVE_AFTER
         self._since: dict[int, tuple[str, float]] = {}  # rank -> (where, since when)
@@ -94,7 +94,7 @@ class LiveView:
             here, at = "between cells", None
         else:
             call = f", in {info.call}" if info.call else ""
-            here = f"{info.cell}{call}" + (f", {entered}" if info.in_comm else "")
+            here = f"{self.labels.where(info)}{call}" + (f", {entered}" if info.in_comm else "")
             at = at if info.in_comm else None
         seen, since = self._since.get(rank, (None, now))
         if seen != here:
@@ -107,9 +107,8 @@ class LiveView:
 
     def _last_call(self, rank: int) -> tuple[str, float | None]:
         """The last collective the rank entered in this cell (from its ledger feed) and when."""
-        ledger = getattr(self.watch.ranks, "ledger", None)
-        calls = ledger.calls.get(rank) if ledger is not None else None
-        if not calls:
+        last = self.watch.ranks.ledger.last(rank)
+        if last is None:
             return "no collective entered yet", None
-        call, arrived = calls[-1]
+        call, arrived = last
         return f"entered {call.text()}", arrived

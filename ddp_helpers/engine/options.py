@@ -1,6 +1,10 @@
-"""Every refusal of bad input, for `launch`, `Ranks` and the `%ranks` magics alike, made before
-anything starts or is sent: each message says what to do instead. Callers check through the
-four entry points (check_launch, check_pool, check_cell, check_push); the rest are their parts."""
+"""Every option and every refusal of bad input, for `launch`, `Ranks` and the `%ranks` magics
+alike, made before anything starts or is sent: each message says what to do instead.
+
+The magics' options are declared once, in OPTIONS and COMMANDS below: the magics' parsers,
+their usage lines and `%ranks?`'s help are built from that table, and a value the magic parsed
+is checked by the same functions as the Python API's (check_pool, check_cell, check_push,
+check_launch; the rest are their parts)."""
 
 from __future__ import annotations
 
@@ -10,10 +14,11 @@ import os
 import pickle
 import pickletools
 import socket
+from pathlib import Path
 from typing import Any
 
-from . import main_guard
-from .errors import LaunchRefused
+from .sets import main_guard
+from .words.errors import LaunchRefused
 
 START_METHODS = ("forkserver", "spawn")
 OUTPUT_MODES = ("live", "by_rank", "none")
@@ -35,23 +40,24 @@ def max_procs() -> int:
 
 
 def check_launch(fn, args, nprocs, timeout, start_method, output, *, env=None, backend=None,
-                 master_port=None) -> tuple[bytes, dict[str, str], int | None]:
-    """Validate everything checkable in the parent, before any process starts.
+                 master_port=None) -> tuple[dict[str, str], int | None]:
+    """Validate everything checkable in the parent, before any process starts (fn and args
+    must reach the ranks by pickle).
 
-    Returns the pickled (fn, args) payload, the extra environment for the ranks, and the
-    caller's master_port (None: pick a free one)."""
+    Returns the extra environment for the ranks and the caller's master_port (None: pick a
+    free one)."""
     check_run_options(nprocs, timeout, start_method, output)
     if not isinstance(args, tuple):
         raise LaunchRefused(
             f"args must be a tuple (got {type(args).__name__}): fn is called as fn(rank, *args), "
             "as torch.multiprocessing.spawn does; write args=(x,) for one argument.")
     check_importable(fn)
-    payload = _pickle_payload(fn, args)
+    _check_payload(fn, args)
     extra_env = check_env(env)
     extra_env.update(check_backend(backend, nprocs))
     if master_port is not None:
         check_port_free("127.0.0.1", master_port)
-    return payload, extra_env, master_port
+    return extra_env, master_port
 
 
 def check_pool(nprocs, backend, timeout, output, env, start_method="forkserver") -> dict:
@@ -65,15 +71,31 @@ def check_pool(nprocs, backend, timeout, output, env, start_method="forkserver")
     return {**check_env(env), **check_backend(backend, nprocs)}
 
 
-def check_cell(code, targets, timeout, output, nprocs: int) -> list[int]:
-    """Refuse a cell that is not a string, bad targets, timeout or output; return the target
-    ranks, sorted (all of them for None)."""
+def check_cell(code, targets, timeout, output, nprocs: int, returns=None) -> list[int]:
+    """Refuse a cell that is not a string, bad targets, timeout, output or names to return;
+    return the target ranks, sorted (all of them for None)."""
     if not isinstance(code, str):
         raise LaunchRefused(f"code must be a string of Python (got {type(code).__name__}).")
     targets = check_targets(targets, nprocs)
     check_timeout(timeout)
     check_output(output)
+    check_returns(returns)
     return targets
+
+
+def check_returns(names) -> None:
+    """Refuse names to bring back that are not variable names (--return, returns=)."""
+    if names is None:
+        return
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise LaunchRefused(f"returns={names!r}: give a tuple of variable names, e.g. "
+                            "returns=('loss', 'grads') (--return loss,grads in a %%ranks line). "
+                            "Nothing was run.")
+    bad = [n for n in names if not n.isidentifier()]
+    if bad:
+        raise LaunchRefused(f"--return / returns=: {bad[0]!r} is not a variable name; give "
+                            "names separated by commas, e.g. --return loss,grads "
+                            "(returns=('loss', 'grads') in Python). Nothing was run.")
 
 
 def check_push(values: dict, targets, nprocs: int) -> list[int]:
@@ -183,7 +205,7 @@ def check_importable(fn: Any) -> None:
             + _MODULE_FIX)
     if module == "__main__" and main_guard.main_is_script():
         # A script's function reaches the ranks as mp.spawn sends it: they re-run the script.
-        main_guard.check_guarded(f"fn {name}")
+        check_guarded(f"fn {name}")
         return
     if module in (None, "__main__", "__mp_main__", "builtins"):
         where = "in the notebook (module __main__)" if module != "builtins" else "as a builtin"
@@ -195,7 +217,7 @@ def check_importable(fn: Any) -> None:
             "no file on sys.path). " + _MODULE_FIX)
 
 
-def _pickle_payload(fn, args: tuple) -> bytes:
+def _check_payload(fn, args: tuple) -> None:
     try:
         pickle.dumps(fn)
     except Exception as e:  # noqa: BLE001 - any pickling failure is reported the same way
@@ -206,7 +228,6 @@ def _pickle_payload(fn, args: tuple) -> bytes:
                        plain_fix="Pass plain data (numbers, strings, lists, dicts, CPU tensors) "
                                  "and build the rest inside the rank.",
                        main_fix="Move that class or function into a .py module. " + _MODULE_FIX)
-    return pickle.dumps((fn, args))
 
 
 def check_sendable(value, what: str, plain_fix: str, main_fix: str) -> None:
@@ -220,10 +241,31 @@ def check_sendable(value, what: str, plain_fix: str, main_fix: str) -> None:
                             f"{type(e).__name__}: {e}. {plain_fix}") from e
     main_refs = _main_globals(blob)
     if main_refs and main_guard.main_is_script():
-        main_guard.check_guarded(f"{what} refers to {', '.join(main_refs)}, which")
+        check_guarded(f"{what} refers to {', '.join(main_refs)}, which")
     elif main_refs:
         raise LaunchRefused(f"{what} refers to {', '.join(main_refs)} from the notebook "
                             f"(__main__), which the ranks cannot import. {main_fix}")
+
+
+def guard_fix(site: main_guard.CallSite) -> str:
+    """The paragraph that shows the guard around the call that needs it."""
+    return (
+        f"The call at {site.where()} runs at the script's top level, not under the guard "
+        "`if __name__ == \"__main__\":`. Spawned ranks re-run the script to find what it "
+        "defines, so without the guard every rank would start ranks of its own. Put the "
+        "script's work under the guard:\n"
+        "    if __name__ == \"__main__\":\n"
+        f"        {site.text}\n"
+        "or define the function in a module of its own and import it. Nothing was started.")
+
+
+def check_guarded(what: str) -> None:
+    """Refuse `what` (a function or value defined in the script) when the call is unguarded:
+    the ranks could only find it by re-running the whole script."""
+    site = main_guard.unguarded_call()
+    if site is not None:
+        raise LaunchRefused(f"{what} is defined in the script {Path(site.path).name}, which the "
+                            "ranks would have to re-run to find it. " + guard_fix(site))
 
 
 def _main_globals(blob: bytes) -> list[str]:

@@ -1,47 +1,38 @@
 """Persistent ranks: start N ranks once, then run code on them a cell at a time, with each
 rank's variables kept between cells (`dh.Ranks`, and the `%%ranks` magics built on it).
 
-The processes, channels, output relay and failure detection are the launcher's
-(supervisor.RankSet), and so is the loop that waits (watch.py); what this adds is the
-conversation (a protocol.RunCell per cell, a reply per rank) and the rule for a failed cell.
-A rank that raised while every other rank finished the cell leaves every rank's state intact.
-A rank that raised or died while others wait for it in a collective (or a cell past its
-timeout, or an interrupt) stops every rank: their state is gone, the message says where each
-rank was, and the next cell starts a fresh group.
+One pool class, whoever starts its ranks: a starter (starters.py) forks them (`Ranks(2)`) or
+listens for the ones torchrun or Slurm starts (`Ranks.listen(4)`). The pool holds the
+conversation: a wire.RunCell per cell, a reply per rank, the wait (rules.wait), and the rule for
+a failed cell. A rank that raised while every other rank finished the cell leaves every rank's
+state intact. A rank that raised or died while others wait for it in a collective (or a cell
+past its timeout, or an interrupt) stops every rank: their state is gone, the message
+(words.failures) says where each rank was, and the next cell starts a fresh group.
 """
 
 from __future__ import annotations
 
-import pickle
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..ledger import Call
-from .cell_server import cell_name, serve
-from .census import pid_alive
-from .errors import (
-    CellInterrupted,
-    CollectiveMismatch,
-    LaunchError,
-    LaunchRefused,
-    LaunchTimeout,
-    RankDied,
-    RankRaised,
-)
+from . import debugging
 from .live_view import LiveView, display_factory
-from .mismatch import aborted_note, explain
 from .options import check_cell, check_pool, check_push
-from .protocol import Push, Ready, RunCell, Where
-from .start import free_port
-from .supervisor import Failure, Priority, RankSet
-from .tracebacks import shorten_path
-from .watch import STALL_SECONDS, CellWatch, Outcome, give_up_once_settled, wait
+from .rules.mismatch import unmatched
+from .rules.wait import CellWatch, Evidence, Outcome, give_up_once_settled, wait
+from .sets.base import RankSet
+from .sets.census import pid_alive
+from .starters import Fork, Listen
+from .wire.messages import Hello, Push, Ready, RunCell
+from .words import failures
+from .words.errors import LaunchError, LaunchRefused
+from .words.mismatch import unmatched_warning
+from .words.places import Labels
 
 _current: Ranks | None = None  # the pool `%%ranks` cells and dh.check(...) use
-
-_START_TIMEOUT = 120.0  # a cold start (the start server imports torch) takes a few seconds
 
 
 class CellResult(NamedTuple):
@@ -68,6 +59,7 @@ class Ranks:
 
     Each rank's namespace starts with rank, world_size, device, torch, dist and nn.
     Use as `with dh.Ranks(2) as pool: ...`, or call pool.stop() when done.
+    `Ranks.listen(...)` makes a pool of ranks that torchrun or Slurm starts instead.
 
     Raises:
         LaunchRefused: bad arguments, before anything starts.
@@ -76,47 +68,68 @@ class Ranks:
 
     def __init__(self, nprocs: int = 2, backend: str = "auto", timeout: float = 60, *,
                  group: bool = True, output: str = "live", env: dict | None = None,
-                 start_method: str = "forkserver"):
+                 start_method: str = "forkserver", _starter=None):
         self._env = check_pool(nprocs, backend, timeout, output, env, start_method)
         self.nprocs, self.backend, self.timeout = nprocs, backend, timeout
-        self.group, self.output, self.start_method = group, output, start_method
+        self.group, self.output = group, output
+        self._starter = _starter or Fork(start_method)
+        self.start_method = self._starter.start_method
         self._set: RankSet | None = None
         self._info: list[Ready] = []
         self.cells_run = 0
-        self.labels: dict[str, str] = {}  # "<cell 12>" -> "In [5]": cells the magic named
-        self._stopped_because: str | None = None  # why the ranks were stopped, if not by us
-        self._finalizer = None
-        self.start()
+        self.labels = Labels()  # the cells the magic named: "<cell 12>" -> "In [5]"
+        self.stopped_because: str | None = None  # why the ranks are not running, if they are not
+        self.failed: dict[int, str] = {}  # rank -> the cell whose failure it keeps ("In [7]")
+        self.first_failed: int | None = None  # the rank that failed first in the last failure
+        self.snapshot = None  # each rank's stack when the kit last stopped them (Snapshot)
+        self._cell: str | None = None  # the cell being run, as the learner names it
+        self._finalizer = None  # stops the ranks if the pool is dropped
+        self._starter.prepare(self)
+        if self._starter.starts_at_once:
+            self.start()
+
+    @classmethod
+    def listen(cls, nprocs: int = 2, host: str = "127.0.0.1", port: int = 0,
+               timeout: float = 60, *, backend: str = "auto", group: bool = True,
+               output: str = "live", env: dict | None = None,
+               token_file: str | None = None) -> Ranks:
+        """A pool of `nprocs` ranks that torchrun (or srun) starts with `python -m
+        ddp_helpers.serve --connect pool.address --token-file pool.token_file`; not ready until
+        `pool.wait_ready(seconds)` (or the first run()). Listens on loopback unless `host`
+        says otherwise. Then run/get/push/status/stop work as for `Ranks(...)`."""
+        return cls(nprocs, backend, timeout, group=group, output=output, env=env,
+                   _starter=Listen(host, port, token_file))
+
+    def __repr__(self) -> str:
+        return f"<{self.nprocs} {self._starter.describe(self)}>"
 
     # -- life cycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the ranks (if they are not running) and wait until each has set up."""
-        if self._set is not None:
-            return
-        # The backend reaches the ranks in their environment (options.check_pool), like launch's.
-        payload = pickle.dumps((serve, (self.nprocs, self.group, self.timeout)))
-        ranks = RankSet(self.nprocs, self.start_method, persistent=True)
+        """Start the ranks (if they are not running) and wait until each has set up; for a
+        listening pool, wait until torchrun's ranks have attached (see wait_ready)."""
+        if self._set is None:
+            self._starter.start(self)
+
+    def attach(self, ranks: RankSet, seconds: float) -> None:
+        """Take `ranks` (a starter's) as this pool's, and wait `seconds` for each's Ready."""
         self._set = ranks
         self._finalizer = weakref.finalize(self, ranks.shutdown)
-        try:
-            ranks.start(payload, self._env, free_port(), self.output)
-        except BaseException:
-            self._shutdown()
-            raise
-        self._info = self._request(None, list(range(self.nprocs)), _START_TIMEOUT, self.output,
+        self.failed, self.first_failed, self.snapshot = {}, None, None
+        self._info = self._request(None, list(range(self.nprocs)), seconds, self.output,
                                    starting=True)
-        self._stopped_because = None
-        global _current
-        _current = self
+        self.stopped_because = None
+        make_current(self)
 
     def stop(self) -> None:
         """Stop every rank (their state is gone); a later run() raises until restart()."""
         self._shutdown()
-        self._stopped_because = "stopped"
+        self._starter.close()
+        self.stopped_because = "stopped"
 
     def restart(self) -> None:
         """Stop the ranks if running and start fresh ones: a new group, empty namespaces."""
+        self._starter.check_restart()
         self._shutdown()
         self.start()
 
@@ -152,13 +165,16 @@ class Ranks:
         """
         timeout = self.timeout if timeout is None else timeout
         output = output or self.output
-        targets = check_cell(code, targets, timeout, output, self.nprocs)
-        self._ensure_running()
+        targets = check_cell(code, targets, timeout, output, self.nprocs, returns)
+        self._starter.before_cell(self)
         self.cells_run += 1
-        if label:
-            self.labels[f"<cell {self.cells_run}>"] = label
-        replies = self._request(RunCell(self.cells_run, code, tuple(returns or ()), first_line,
-                                        label), targets, timeout, output)
+        self.labels.name(f"<cell {self.cells_run}>", label)
+        self._cell = self.labels.cell(f"<cell {self.cells_run}>")
+        try:
+            replies = self._request(RunCell(self.cells_run, code, tuple(returns or ()),
+                                            first_line), targets, timeout, output)
+        finally:
+            self._cell = None
         if returns is None:
             return [reply.value for reply in replies]
         return [CellResult(reply.value, reply.returned) for reply in replies]
@@ -177,36 +193,119 @@ class Ranks:
             RankRaised: a rank could not rebuild a value; every rank keeps its state.
         """
         targets = check_push(values, targets, self.nprocs)
-        self._ensure_running()
+        self._starter.before_cell(self)
         self._request(Push(values), targets, self.timeout, self.output)
+
+    # -- looking inside the ranks (debugging.py) ---------------------------------------------
+
+    def debug(self, rank: int | None = None, commands: list[str] | None = None) -> None:
+        """pdb post-mortem on rank `rank`'s last failing cell (default: the rank that failed
+        first), commands read through input() (the notebook's input box) or from `commands`;
+        `q` or two empty lines leave it, and every rank keeps its state. After the kit stopped
+        the ranks: what that rank held then (its stack, each frame's variables), read-only."""
+        debugging.post_mortem(self, rank, commands)
+
+    def where(self):
+        """Every rank's stack now, each frame's variables summarised (after the kit stopped
+        the ranks: as they were then); prints as a report, indexes as {rank: Stack}."""
+        return debugging.where(self)
+
+    def compare(self, *expressions: str):
+        """Each value (a name or an expression: a tensor, a module, an optimizer, a list, a
+        number) on every rank: dtype, shape and a digest per rank, whether all ranks hold the
+        same bytes, and where the first differing tensor differs."""
+        if not expressions or not all(isinstance(e, str) and e.strip() for e in expressions):
+            raise LaunchRefused("compare: name what to compare, e.g. pool.compare('model', "
+                                "'x') (%ranks compare model x).")
+        return debugging.compare(self, expressions)
+
+    def _run_command(self, command) -> list:
+        """Send one command to every rank; each rank's Ok value, in rank order."""
+        self._starter.before_cell(self)
+        return [reply.value for reply in self._request(command, list(range(self.nprocs)),
+                                                       self.timeout, "none")]
 
     def collectives(self) -> dict[int, list[Call]]:
         """The collectives and send/recv calls each rank made in the last cell, in order, as
         the ledger recorded them ({rank: [Call, ...]}; what `%%ranks --ledger` prints)."""
-        ledger = getattr(self._set, "ledger", None)
-        if ledger is None:
+        if self._set is None:
             return {}
-        return {r: [call for call, _ in entries] for r, entries in ledger.calls.items()}
+        return {r: [call for call, _ in entries] for r, entries in self._set.ledger.calls.items()}
+
+    def place(self, where: tuple[str, int]) -> str:
+        """A call's place as the learner sees it: "In [5], line 4"."""
+        return self.labels.place(where)
 
     def status(self) -> RanksStatus:
-        """Which ranks are alive, their pids, device and backend, and how many cells ran."""
-        pids = self._set.pids if self._set else [None] * self.nprocs
+        """Which ranks are alive, their pids, device and backend, and how many cells ran (and,
+        for ranks torchrun started, each one's host, node and local rank)."""
+        hellos = self._starter.hellos(self)
+        if self._set is None:
+            return RanksStatus(self.nprocs, False, self.cells_run, [], self.stopped_because,
+                               kind=self._starter.kind, restarts=self._starter.restarts)
+        pids = self._set.pids
         info = self._info or [None] * self.nprocs
-        rows = [RankRow(r, pid_alive(pid), pid, ready and ready.device, ready and ready.backend)
+        rows = [RankRow(r, self._set.alive(r) and (hellos is not None or pid_alive(pid)),
+                        hellos[r].pid if hellos else pid, ready and ready.device,
+                        ready and ready.backend, hellos[r] if hellos else None)
                 for r, (pid, ready) in enumerate(zip(pids, info))]
-        return RanksStatus(self.nprocs, self.running, self.cells_run, rows,
-                           self._stopped_because)
+        return RanksStatus(self.nprocs, True, self.cells_run, rows, None,
+                           kind=self._starter.kind, restarts=self._starter.restarts)
+
+    # -- ranks that torchrun or Slurm started (Ranks.listen) ----------------------------------
+
+    @property
+    def address(self) -> str:
+        """host:port for `python -m ddp_helpers.serve --connect` (a listening pool)."""
+        return self._starter.listening(self).address
+
+    @property
+    def token_file(self) -> str:
+        """The token file (mode 0600) for `--token-file`: the ranks' host must be able to read
+        it (a shared home directory on a cluster)."""
+        return self._starter.listening(self).token_file
+
+    @property
+    def refusals(self) -> int:
+        """How many connections were turned away (no token, a wrong one, too many)."""
+        return self._starter.listening(self).refusals
+
+    @property
+    def restarts(self) -> int:
+        """How often torchrun restarted the workers so far (0 for ranks the kit forked)."""
+        return self._starter.restarts
+
+    def connected(self) -> int:
+        """How many ranks have attached so far (a listening pool)."""
+        return len(self._starter.listening(self).attached)
+
+    def command_lines(self, nnodes: int = 1) -> dict[str, str]:
+        """What to paste: a torchrun line per node and an srun line, address and token filled in."""
+        return self._starter.command_lines(self, nnodes)
+
+    def wait_ready(self, timeout: float = 300, progress: bool = True) -> None:
+        """Wait until every rank torchrun started has attached and set up its process group.
+
+        Raises:
+            LaunchRefused: not every rank attached within `timeout`.
+            RankRaised, RankDied: a rank failed while setting up.
+        """
+        self._starter.wait_ready(self, timeout, progress)
+
+    def hosts(self) -> list[Hello]:
+        """Each attached rank's Hello (host, GROUP_RANK, LOCAL_RANK, pid), in rank order."""
+        return self._starter.hellos(self) or []
 
     # -- one request ----------------------------------------------------------------------------
 
-    def _request(self, command: RunCell | Push | None, targets: list[int], timeout: float,
-                 output: str, *, starting: bool = False) -> list:
+    def _request(self, command, targets: list[int], timeout: float, output: str, *,
+                 starting: bool = False) -> list:
         """Send `command` (None: wait for the ranks' Ready) and wait; each target's reply."""
         ranks = self._set
-        ranks.relay.last.clear()  # a message quotes what the ranks printed in this cell only
         ranks.ask(targets, command, output)
         watch = CellWatch(ranks, targets)
-        view = LiveView(watch, display_factory() if isinstance(command, RunCell) else None)
+        view = LiveView(watch, self.labels, display_factory() if isinstance(command, RunCell)
+                        else None)
         deadline = time.monotonic() + timeout
         try:
             if starting:
@@ -215,110 +314,81 @@ class Ranks:
                 outcome = wait(ranks, watch.done, deadline, watch.give_up, watch.stalled,
                                view.tick)
         except KeyboardInterrupt:  # the stop button in Jupyter: one sentence, no kit frames
-            text = self._drop("the cell was interrupted", watch.where_all(), polite=False)
-            raise CellInterrupted(f"ddp_helpers: {text}") from None
-        except BaseException:
-            self._drop("the cell was interrupted", watch.where_all(), interrupted=True)
-            raise
-        finally:
             view.close()
+            raise self._failed(watch.evidence(Outcome.INTERRUPTED), timeout, starting) from None
+        except BaseException:
+            view.close()
+            evidence = watch.evidence(Outcome.INTERRUPTED)
+            self._snapshot()
+            stopped = self._drop(evidence, polite=True)
+            print(f"ddp_helpers: {failures.stopped(stopped, self._where(evidence))}", flush=True)
+            raise
+        view.close()
         ranks.drain_output()
         ranks.relay.flush()
         if outcome is Outcome.DONE and ranks.failure() is None:
+            if isinstance(command, RunCell):
+                self._warn_unmatched(targets)
             replies = ranks.replies()
             return [replies[r] for r in targets]
-        raise self._failed(outcome, watch, timeout, starting)
+        raise self._failed(watch.evidence(outcome), timeout, starting)
 
-    def _failed(self, outcome: Outcome, watch: CellWatch, timeout: float, starting: bool
-                ) -> LaunchError:
-        ranks = self._set
-        failure = ranks.failure()
-        if outcome is Outcome.DONE and not starting and not ranks.exitcodes:  # the state stays
-            return RankRaised.from_error(
-                failure.rank, self.nprocs, failure.error,
-                consequence="The other ranks finished the cell; every rank keeps its state.")
-        mismatch = self._mismatch(outcome, failure, watch)
-        if mismatch is not None:
-            return mismatch
-        where = watch.where_all()
-        last = {r: ranks.relay.last_line(r) for r in range(self.nprocs)}
-        consequence = self._drop(_reason(outcome, failure), where)
-        if outcome is Outcome.TIMEOUT:
-            return LaunchTimeout.from_unfinished(
-                watch.unfinished(), self.nprocs, last, what=f" after {timeout:g} s",
-                consequence=consequence, in_cell=True)
-        if outcome is Outcome.STALLED:
-            idle = [r for r in range(self.nprocs) if r not in watch.unfinished()]
-            return LaunchTimeout.from_stall(watch.unfinished(), idle, self.nprocs, STALL_SECONDS,
-                                            consequence)
-        if failure.raised:
-            return RankRaised.from_error(failure.rank, self.nprocs, failure.error,
-                                         consequence=consequence)
-        return RankDied.from_exit(failure.rank, self.nprocs, failure.exitcode,
-                                  last.get(failure.rank, ""), consequence=consequence)
+    def _warn_unmatched(self, targets: list[int]) -> None:
+        """Every rank finished the cell: say so if their collectives do not pair anyway."""
+        ledger = self._set.ledger
+        found = unmatched(ledger.calls, targets, self.nprocs, ledger.gaps)
+        if found is not None:
+            print(unmatched_warning(found, self.labels.place), flush=True)
 
-    def _mismatch(self, outcome: Outcome, failure: Failure | None, watch: CellWatch,
-                  may_be_abort: Priority = Priority.ABORTED) -> CollectiveMismatch | None:
-        """A stall, or an abort and its knock-on errors, that the ledgers explain. A failure
-        below `may_be_abort` (a rank's own error, a death by another signal) is its own cause."""
-        if outcome is not Outcome.STALLED and (
-                failure is None or failure.priority < may_be_abort):
-            return None  # a rank's own error or death is the cause, not a mismatch
-        self._set.drain_output()  # the ledger lines still in the pipes
-        finding = watch.mismatch()
-        if finding is None:
-            return None
-        text = explain(finding, self.nprocs, self.place, time.monotonic())
-        text += aborted_note(self._set.exitcodes)
-        consequence = self._drop("the collectives did not match", {}, polite=False)
-        return CollectiveMismatch.from_finding(finding, text, watch.unfinished(), consequence)
+    def _failed(self, ev: Evidence, timeout: float, starting: bool) -> LaunchError:
+        """The error for a request that failed; every rank is stopped first unless a rank
+        raised while every other one finished the cell."""
+        run = self._run_words("start" if starting else "cell", None, timeout)  # while attached
+        keep = ev.outcome is Outcome.DONE and not starting and not ev.exitcodes
+        if keep:
+            self._keep_failures(ev)
+            return failures.error(ev, run)
+        snapshot = self._snapshot()
+        polite = ev.finding is None and ev.outcome is not Outcome.INTERRUPTED
+        run.stopped = self._drop(ev, polite=polite)
+        error = failures.error(ev, run)
+        error.where = snapshot
+        return error
 
-    def place(self, where: tuple[str, int]) -> str:
-        """A call's place as the learner sees it: "In [5], line 4"."""
-        path, line = where
-        if path.startswith("<cell "):
-            return f"{cell_name(path, self.labels)}, line {line}"
-        return f"{shorten_path(path)}, line {line}"
+    def _keep_failures(self, ev: Evidence) -> None:
+        """The ranks that raised keep their exceptions (and frames) for post-mortem."""
+        if self._cell is not None:
+            self.failed.update({r: self._cell for r in ev.errors})
+            self.first_failed = ev.failure.rank
 
-    def _drop(self, reason: str, where: dict[int, Where | None], *,
-              interrupted: bool = False, polite: bool = True) -> str:
-        """Stop every rank after a failure; return the sentence that says so."""
-        self._shutdown(polite=polite)
-        self._stopped_because = reason
-        text = (f"Every rank was stopped ({reason}){_where_text(where)}. Their variables are "
-                "gone; the next cell starts a fresh group.")
-        if interrupted:
-            print(f"ddp_helpers: {text}", flush=True)
-        return text
+    def _snapshot(self):
+        """Every live rank's stack, before the kit stops them (also kept for %ranks debug)."""
+        self.snapshot = debugging.snapshot(self, list(range(self.nprocs)),
+                                           "when the kit stopped them")
+        self.failed = {}
+        return self.snapshot
+
+    def _run_words(self, kind: str, stopped, timeout: float) -> failures.Run:
+        return failures.Run(kind, stopped, place=self.labels.place,
+                            name_cells=self.labels.traceback, where=self.labels.where,
+                            who=self._starter.who(self), timeout=timeout)
+
+    def _where(self, ev: Evidence) -> str:
+        return failures.where_text(ev, self._run_words("cell", None, self.timeout))
+
+    def _drop(self, ev: Evidence, *, polite: bool) -> failures.Stopped:
+        """Stop every rank after a failure; what was done, for the words to say."""
+        reason = failures.stop_reason(ev, self._starter.host(self))
+        f = ev.failure
+        dead = (f.rank,) if f is not None and not f.raised and ev.finding is None else ()
+        return self._starter.drop(self, reason, dead, polite)
 
     def _shutdown(self, *, polite: bool = True) -> None:
+        """Stop the ranks, if running (the starter decides what comes next)."""
         if self._set is not None:
             self._finalizer.detach()
             self._set.shutdown(polite=polite)
         self._set = None
-
-    def _ensure_running(self) -> None:
-        if self._set is not None:
-            return
-        if self._stopped_because == "stopped":
-            raise LaunchRefused(f"these ranks were stopped: start fresh ones with "
-                                f"{start_command(self)} (in Python: pool.restart()).")
-        print(f"starting {self.nprocs} fresh ranks (the previous ones were stopped: "
-              f"{self._stopped_because})", flush=True)
-        self.start()
-
-    # -- ranks that torchrun or Slurm started (served.py) ---------------------------------------
-
-    @classmethod
-    def listen(cls, nprocs: int = 2, host: str = "127.0.0.1", port: int = 0,
-               timeout: float = 60, **options) -> Ranks:
-        """A pool of `nprocs` ranks that torchrun (or srun) starts with `python -m
-        ddp_helpers.serve --connect pool.address --token-file pool.token_file`; not ready until
-        `pool.wait_ready(seconds)` (or the first run()). Listens on loopback unless `host`
-        says otherwise. Then run/get/push/status/stop work as for `Ranks(...)`."""
-        from .served import ServedRanks
-
-        return ServedRanks(nprocs, host, port, timeout, **options)
 
 
 def current() -> Ranks | None:
@@ -326,35 +396,22 @@ def current() -> Ranks | None:
     return _current
 
 
+def make_current(pool: Ranks | None) -> None:
+    """Make `pool` the one `%%ranks` cells and dh.check use."""
+    global _current
+    _current = pool
+
+
+def forget_current() -> None:
+    """No pool is current any more (the next `%%ranks` asks for `%ranks start`)."""
+    make_current(None)
+
+
 def start_command(pool: Ranks | None = None) -> str:
     """The magic that brings the ranks back, sized as the last pool was: `%ranks start 3`
     (the one command every message gives, whether the ranks were stopped or never started)."""
     pool = pool or _current
     return f"`%ranks start {pool.nprocs if pool is not None else 2}`"
-
-
-def _reason(outcome: Outcome, failure: Failure | None) -> str:
-    if outcome is Outcome.TIMEOUT:
-        return "the cell ran past its timeout"
-    if outcome is Outcome.STALLED:
-        return "a collective could not complete"
-    if failure is not None and not failure.raised:
-        return f"rank {failure.rank} died, and a group cannot go on without a rank"
-    return (f"rank {failure.rank} failed while the others waited for it"
-            if failure is not None else "a rank failed")
-
-
-def _where_text(where: dict[int, Where | None]) -> str:
-    parts = []
-    for rank, info in sorted(where.items()):
-        if info is None:
-            parts.append(f"rank {rank} did not answer (blocked in C++ code)")
-        elif info.exited:
-            parts.append(f"rank {rank} had exited")
-        elif info.cell:
-            call = f"in {info.call}, " if info.call else ""
-            parts.append(f"rank {rank} was {call}at {info.cell}")
-    return "; " + "; ".join(parts) if parts else ""
 
 
 @dataclass
@@ -366,6 +423,7 @@ class RankRow:
     pid: int | None
     device: str | None
     backend: str | None
+    hello: Hello | None = None  # ranks torchrun started: host, node, local rank
 
 
 @dataclass
@@ -377,15 +435,33 @@ class RanksStatus:
     cells_run: int
     ranks: list[RankRow] = field(default_factory=list)
     stopped_because: str | None = None
+    kind: str = "ranks"  # "served ranks" for ranks torchrun started
+    restarts: int = 0
+
+    @property
+    def hellos(self) -> list[Hello]:
+        return [r.hello for r in self.ranks if r.hello is not None]
 
     def __str__(self) -> str:
         if not self.running:
-            return f"{self.nprocs} ranks, not running ({self.stopped_because or 'stopped'})"
-        head = f"{self.nprocs} ranks running, {self.cells_run} cells run"
-        rows = [f"  rank {r.rank}: {'alive' if r.alive else 'DEAD'}, pid {r.pid}, device "
-                f"{r.device}, backend {r.backend or 'none (no process group)'}"
-                for r in self.ranks]
+            return f"{self.nprocs} {self.kind}, not running ({self.stopped_because or 'stopped'})"
+        if not self.hellos:
+            head = f"{self.nprocs} ranks running, {self.cells_run} cells run"
+            rows = [f"  rank {r.rank}: {'alive' if r.alive else 'DEAD'}, pid {r.pid}, device "
+                    f"{r.device}, backend {r.backend or 'none (no process group)'}"
+                    for r in self.ranks]
+            return "\n".join([head, *rows])
+        head = f"{self.nprocs} served ranks attached, {self.cells_run} cells run"
+        most = max(h.max_restarts for h in self.hellos)
+        if most:
+            head += f", torchrun restarts so far: {self.restarts} (--max-restarts {most})"
+        rows = [f"  rank {r.rank}: {'alive' if r.alive else 'DEAD'}, host {r.hello.host}, "
+                f"GROUP_RANK {r.hello.group_rank}, LOCAL_RANK {r.hello.local_rank}, pid "
+                f"{r.hello.pid}, device {r.device}" for r in self.ranks]
         return "\n".join([head, *rows])
 
     def _repr_pretty_(self, p, cycle) -> None:
         p.text(str(self))
+
+
+__all__ = ["CellResult", "LaunchRefused", "Ranks", "RanksStatus", "current", "start_command"]

@@ -15,8 +15,8 @@ import os
 import socket
 
 _PRELOAD = ["torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data",
-            "numpy", "torchvision", "ddp_helpers.engine.rank_entry",
-            "ddp_helpers.engine.cell_server"]
+            "numpy", "torchvision", "ddp_helpers.engine.rank.entry",
+            "ddp_helpers.engine.rank.cells", "ddp_helpers.engine.rank.link"]
 
 
 def free_port(addr: str = "127.0.0.1") -> int:

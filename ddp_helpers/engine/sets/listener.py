@@ -22,9 +22,9 @@ import secrets
 import socket
 import threading
 
-from . import auth
-from .protocol import Channel
-from .sockets import Hello, Refused, Setup, channel, recv_small, restarts_left
+from ..wire import auth
+from ..wire.channel import Channel, over_socket
+from ..wire.messages import VERSION, Hello, Refused, Setup, restarts_left
 
 _BACKLOG = 64
 
@@ -92,9 +92,9 @@ class Listener:
         except (auth.AuthError, OSError) as e:
             self._refuse(conn, f"{peer[0]}: {e}")
             return
-        chan = channel(conn)  # authenticated: from here on its messages may be unpickled
+        chan = over_socket(conn)  # authenticated: from here on its messages may be unpickled
         try:
-            hello = recv_small(chan, auth.HANDSHAKE_SECONDS)
+            hello = chan.recv_small(auth.HANDSHAKE_SECONDS)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, it is not let in
             self._refuse(chan, f"{peer[0]}: no Hello ({type(e).__name__}: {e})")
             return
@@ -120,6 +120,9 @@ class Listener:
     def _why_not(self, hello) -> str | None:
         if not isinstance(hello, Hello):
             return f"expected a Hello, got {type(hello).__name__}"
+        if hello.version != VERSION:
+            return (f"it speaks ddp_helpers protocol {hello.version} and the notebook "
+                    f"{VERSION}: run the same version of the kit on both sides")
         if self._closed or self.full():
             return "every rank is already attached"
         if hello.world_size != self.nprocs:

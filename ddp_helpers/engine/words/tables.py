@@ -1,13 +1,13 @@
 """`%%ranks --ledger`: a cell's collectives side by side, one column per rank, one row per call
 in the order each rank made them, so that a barrier, a mismatch or DDP's buckets can be read
 off (row 3: rank 0 in barrier, rank 1 in all_reduce). The calls come from the ledger feed the
-engine keeps for every cell (ledger_feed.py); nothing extra runs on the ranks."""
+engine keeps for every cell (sets.ledger_reader); nothing extra runs on the ranks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..ledger import Call
+from ...ledger import Call
 
 
 def ledger_table(calls: dict[int, list[Call]], ranks: list[int], title: str,

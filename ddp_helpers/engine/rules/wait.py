@@ -1,7 +1,7 @@
 """How long to wait for ranks, and when to stop waiting: the one loop launch and Ranks both
-wait in, the give-up rule for a failure, and the stall rule for a collective that cannot
-complete. These rules read the supervisor (replies, failure, where, pids); they never change
-what it recorded, and the supervisor never calls them.
+wait in, the give-up rule for a failure, the stall rule for a collective that cannot complete,
+and the evidence a wait ends with (what failed, the mismatch that explains it, where each rank
+was), gathered once for the words to say.
 """
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import psutil
 
+from ..sets.base import Failure, Priority, RankSet
+from ..wire.messages import AskWhere, Error, Where
 from .mismatch import Finding, find
-from .protocol import Where
-from .supervisor import Failure, Priority, RankSet
 
 SETTLE_SECONDS = 0.5  # a rank whose peer died errors first; its root cause arrives within this
 STALL_SECONDS = 3.0  # a rank waiting this long in a collective that cannot complete is stuck
@@ -33,6 +34,38 @@ class Outcome(enum.Enum):
     TIMEOUT = "timeout"  # the deadline passed first
     FAILED = "failed"  # a failure the give-up rule accepted
     STALLED = "stalled"  # no failure, but the stall rule says no rank can make progress
+    INTERRUPTED = "interrupted"  # the stop button (KeyboardInterrupt) while waiting
+
+
+@dataclass
+class Evidence:
+    """What a wait saw, for the words to say: how it ended, the failure to report (the root
+    cause among the ranks' errors and exits), the mismatch that explains it or the stall (found
+    once), where each unfinished rank was, who finished, who raised, who exited."""
+
+    outcome: Outcome
+    nprocs: int
+    targets: list[int]
+    failure: Failure | None = None
+    finding: Finding | None = None
+    where: dict[int, Where | None] = field(default_factory=dict)  # unfinished ranks still alive
+    unfinished: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    errors: dict[int, Error] = field(default_factory=dict)  # every rank that raised
+    exitcodes: dict[int, int | None] = field(default_factory=dict)
+    last_lines: dict[int, str] = field(default_factory=dict)
+    stacks: dict[int, str] = field(default_factory=dict)  # faulthandler dumps (launch timeouts)
+    at: float = 0.0  # monotonic time the evidence was gathered
+
+    @property
+    def ok(self) -> bool:
+        """Every target answered and nothing failed."""
+        return self.outcome is Outcome.DONE and self.failure is None
+
+    @property
+    def state_kept(self) -> bool:
+        """A rank raised while every other finished the cell: no rank was lost or left waiting."""
+        return self.outcome is Outcome.DONE and not self.exitcodes
 
 
 def wait(ranks: RankSet, done: Callable[[], bool], deadline: float,
@@ -76,11 +109,16 @@ class CellWatch:
         self.ranks, self.targets = ranks, targets
         self.started = time.monotonic()
         self.seen: dict[int, Where | None] = {}
+        self.finding: Finding | None = None  # the mismatch the stall rule acted on, if any
         self._cpu: dict[int, tuple[float, float]] = {}
         self._compared = 0.0  # when mismatched() last compared the ledgers
 
     def unfinished(self) -> list[int]:
-        """The targets that have not replied yet."""
+        """The targets that have not replied yet; for a launch, also the ranks whose process
+        has not exited after returning a value."""
+        if not self.ranks.persistent:
+            done = self.ranks.finished()
+            return [r for r in self.targets if r not in done or r not in self.ranks.exitcodes]
         replied = self.ranks.replies()
         return [r for r in self.targets if r not in replied]
 
@@ -116,7 +154,10 @@ class CellWatch:
             # may have a timeout= of its own, shorter, which a lesson may show ending by itself.
             return False
         finished = self.ranks.finished()
-        return self.blocked(f.rank) and (f.other in finished or self.blocked(f.other))
+        if self.blocked(f.rank) and (f.other in finished or self.blocked(f.other)):
+            self.finding = f
+            return True
+        return False
 
     def stalled(self) -> bool:
         """A definite mismatch (mismatched), or: some rank finished (or was not asked) while
@@ -156,10 +197,31 @@ class CellWatch:
         return (cpu - before[1]) / (now - before[0]) > 0.05
 
     def where_all(self) -> dict[int, Where | None]:
-        """Where each unfinished rank was: the last look, or a fresh one."""
-        for r in self.unfinished():
-            if not self.ranks.alive(r):
-                self.seen[r] = Where(exited=True)
-            elif r not in self.seen:
-                self.seen[r] = self.ranks.where(r)
-        return {r: self.seen.get(r) for r in self.unfinished()}
+        """Where each unfinished rank that is still alive was: the last look, or a fresh one."""
+        missing = [r for r in self.unfinished() if self.ranks.alive(r) and r not in self.seen]
+        if missing:  # asked at once: eight ranks stuck in C++ cost one timeout, not eight
+            self.seen.update(self.ranks.question(missing, AskWhere()))
+        return {r: self.seen.get(r) for r in self.unfinished() if self.ranks.alive(r)}
+
+    def evidence(self, outcome: Outcome, stacks: dict[int, str] | None = None) -> Evidence:
+        """What this wait saw, gathered once. The mismatch is looked for where it may explain
+        what happened: a stall, or a failure that may be gloo aborting a rank whose collective
+        did not fit (and the errors that abort caused in its peers); never over a rank's own
+        error or its own death, which are their own cause."""
+        ranks = self.ranks
+        failure = ranks.failure()
+        finding = self.finding
+        if finding is None and (outcome is Outcome.STALLED or (
+                failure is not None and ranks.may_be_abort(failure))):
+            if failure is not None and not failure.raised:
+                ranks.settle_lines()
+            ranks.drain_output()  # the ledger lines still in the pipes
+            finding = self.mismatch()
+        replies = ranks.replies()
+        return Evidence(outcome, ranks.nprocs, self.targets, failure, finding,
+                        where=self.where_all() if outcome is not Outcome.DONE else {},
+                        unfinished=self.unfinished(), finished=ranks.finished(),
+                        errors={r: e for r, e in replies.items() if isinstance(e, Error)},
+                        exitcodes=dict(ranks.exitcodes),
+                        last_lines={r: ranks.relay.last_line(r) for r in range(ranks.nprocs)},
+                        stacks=stacks or {}, at=time.monotonic())

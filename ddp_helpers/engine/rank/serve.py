@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import signal
 import socket
 import sys
-import threading
 import time
 
-from . import auth, ledger_feed
-from .protocol import AskWhere, Channel, Error, Unreadable, encode
-from .sockets import Hello, Output, Refused, Setup, channel, parse_address, recv_small
+from ..wire import auth
+from ..wire.channel import Channel, over_socket, parse_address
+from ..wire.messages import Error, Hello, Refused, ServeCells, Setup, Stream
+from . import cells
+from .link import SocketLink
+from .streams import flush, reopen_std_streams
 
 _GONE_EXIT = 3  # the exit code of a rank whose notebook left without a Stop
 _CONNECT_SECONDS = 120.0  # how long a worker retries while the notebook is not listening yet
@@ -41,103 +42,6 @@ _CONNECT_SECONDS = 120.0  # how long a worker retries while the notebook is not 
 # its port open while restarts are left); if not, the notebook is gone: give up soon, so that
 # a dead kernel's torchrun jobs end instead of restarting workers that wait minutes each.
 _RECONNECT_SECONDS = 15.0
-
-
-class Link:
-    """The rank's end of its connection: one lock for every sender (the main thread's replies,
-    the control thread's answers, the output forwarder), so messages never interleave, and a
-    reader thread that answers questions at once and queues commands for the main thread."""
-
-    def __init__(self, chan: Channel, outputs: dict[str, int], copies: dict[str, int]):
-        self.chan, self.outputs, self.copies = chan, outputs, copies
-        self.lock = threading.Lock()
-        self.commands: list = []
-        self.ready = threading.Condition()
-        self.closed = False
-
-    # -- rank -> notebook -------------------------------------------------------------------
-
-    def send(self, message) -> None:
-        self.send_encoded(encode(message))
-
-    def send_encoded(self, data: bytes) -> None:
-        """A reply: first whatever output is still in the pipes, so it arrives before it."""
-        with self.lock:
-            self._forward_pending()
-            self.chan.send_encoded(data)
-
-    def _forward_pending(self) -> None:
-        for kind, fd in self.outputs.items():
-            while True:
-                try:
-                    data = os.read(fd, 65536)
-                except BlockingIOError:
-                    break
-                if not data:
-                    break
-                os.write(self.copies[kind], data)  # torchrun's log keeps the lines too
-                self.chan.send(Output(kind, data))
-
-    def forward_output(self) -> None:
-        """Thread: relay the rank's output as it comes."""
-        fds = list(self.outputs.values())
-        while not self.closed:
-            ready, _, _ = select.select(fds, [], [], 0.5)
-            if ready:
-                try:
-                    with self.lock:
-                        self._forward_pending()
-                except (OSError, ValueError):
-                    return
-
-    def feed_ledger(self, call) -> None:
-        """The rank's ledger feed (ledger_feed.py), called before each collective runs, on the
-        thread that calls it. The line goes out at once, from this thread: a rank that gloo
-        aborts (a shape mismatch) dies within milliseconds, and a line still held in this
-        process would die with it, while one in the socket's buffer reaches the notebook. (Held
-        back and sent in batches, a loop's shape mismatch ended as "rank 0 died" in 1 of 3
-        tries here; sent at once, it was named in 6 of 6.)"""
-        data = encode(Output("led", ledger_feed.encode(call)))
-        try:
-            with self.lock:  # output still in the pipes may follow it: it is not a reply
-                self.chan.send_encoded(data)
-        except (OSError, ValueError):
-            pass  # the notebook is gone: the command thread exits the rank
-
-    # -- notebook -> rank -------------------------------------------------------------------
-
-    def read_commands(self, main_thread: int) -> None:
-        """Thread: answer AskWhere at once (the main thread may be in a collective); queue the
-        rest. The connection closing means the notebook is gone: leave at once."""
-        from .cell_server import where
-
-        while True:
-            try:
-                message = self.chan.recv()
-            except Unreadable as e:
-                message = e
-            except (EOFError, OSError):
-                _notebook_gone()
-                return
-            if isinstance(message, AskWhere):
-                try:
-                    self.send(where(main_thread))
-                except (OSError, ValueError):
-                    pass
-                continue
-            with self.ready:
-                self.commands.append(message)
-                self.ready.notify()
-
-    def recv(self):
-        """The next command, for cell_server's loop (an Unreadable is raised as it would be)."""
-        with self.ready:
-            while not self.commands:
-                self.ready.wait()
-            message = self.commands.pop(0)
-        if isinstance(message, Unreadable):
-            raise message
-        return message
 
 
 def _notebook_gone() -> None:
@@ -189,20 +93,19 @@ def hello() -> Hello:
                  max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)))
 
 
-def _capture_output() -> tuple[dict[str, int], dict[str, int]]:
+def _capture_output() -> tuple[dict[Stream, int], dict[Stream, int]]:
     """Point fds 1 and 2 (C++ output too) at pipes the link forwards; keep copies of the
     originals so torchrun's log still shows every line."""
     outputs, copies = {}, {}
-    for kind, fd in (("out", 1), ("err", 2)):
-        sys.stdout.flush() if fd == 1 else sys.stderr.flush()
-        copies[kind] = os.dup(fd)
+    flush()
+    for stream, fd in ((Stream.OUT, 1), (Stream.ERR, 2)):
+        copies[stream] = os.dup(fd)
         r, w = os.pipe()
         os.set_blocking(r, False)
         os.dup2(w, fd)
         os.close(w)
-        outputs[kind] = r
-    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
-    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+        outputs[stream] = r
+    reopen_std_streams()
     return outputs, copies
 
 
@@ -222,9 +125,9 @@ def attach(address: str, token_file: str, seconds: float | None = None
         auth.answer_challenge(sock, token, seconds=seconds)
     except auth.AuthError as e:
         raise SystemExit(f"ddp_helpers.serve: {address}: {e}") from None
-    chan = channel(sock)
+    chan = over_socket(sock)
     chan.send(me)
-    answer = recv_small(chan, seconds)
+    answer = chan.recv_small(seconds)
     if isinstance(answer, Refused):
         raise SystemExit(f"ddp_helpers.serve: rank {me.rank}: the notebook refused it: "
                          f"{answer.reason}")
@@ -233,9 +136,6 @@ def attach(address: str, token_file: str, seconds: float | None = None
 
 def serve(address: str, token_file: str) -> None:
     """Attach to the notebook, then run its cells until Stop (see the module docstring)."""
-    from ..runtime import process_group
-    from . import cell_server
-
     chan, me, setup = attach(address, token_file)
     os.environ.update(setup.env)
     # Under `srun python -m ddp_helpers.serve` (no torchrun) only Slurm's names are set:
@@ -248,32 +148,19 @@ def serve(address: str, token_file: str) -> None:
                               os.environ["SLURM_NTASKS_PER_NODE"].split("(")[0])
     if setup.group:
         _own_rendezvous(me, setup.generation, setup.timeout)
-    outputs, copies = _capture_output()
-    link = Link(chan, outputs, copies)
-    ledger_feed.feed_with(link.feed_ledger)
-    threading.Thread(target=link.forward_output, name="ddp_helpers-output", daemon=True).start()
-    threading.Thread(target=link.read_commands, args=(threading.get_ident(),),
-                     name="ddp_helpers-commands", daemon=True).start()
-    namespace = cell_server._namespace(me.rank, me.world_size)
-    namespace.update(local_rank=me.local_rank, group_rank=me.group_rank, host=me.host)
+    link = SocketLink(chan, *_capture_output(), on_gone=_notebook_gone)
     try:
-        if setup.group:
-            with process_group(me.rank, me.world_size, timeout_s=setup.timeout) as device:
-                namespace["device"] = device
-                cell_server._loop(link, link, namespace)
-        else:
-            namespace["device"] = cell_server._device_without_group(me.world_size, me.rank)
-            cell_server._loop(link, link, namespace)
+        cells.serve(link, me.rank, ServeCells(me.world_size, setup.group, setup.timeout),
+                    extra={"local_rank": me.local_rank, "group_rank": me.group_rank,
+                           "host": me.host})
     except BaseException as e:  # noqa: BLE001 - setting up failed: tell the notebook why
         try:
             link.send(Error.from_exception(e))
         finally:
             raise
     finally:
-        cell_server.flush()
-        with link.lock:
-            link._forward_pending()
-        link.closed = True
+        flush()
+        link.close()
 
 
 def _own_rendezvous(me: Hello, generation: str, timeout: float) -> None:

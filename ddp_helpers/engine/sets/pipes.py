@@ -3,9 +3,8 @@
 Each rank gets an output pipe for fd 1 and one for fd 2 (so C++ output comes too), a reply
 channel, a faulthandler pipe for its stacks, the lifeline shared by every rank and, for
 persistent ranks, a command channel and a duplex control channel. Replies, commands and control
-questions are protocol messages on Channels; the others carry raw bytes (the ledger pipe: one
-line per collective a rank enters, see ledger_feed.py). Ranks started
-elsewhere (torchrun, Slurm) would bring sockets instead, carrying the same messages.
+questions are wire messages on Channels; the others carry raw bytes (the ledger pipe: one line
+per collective a rank enters, wire.ledger_line).
 """
 
 from __future__ import annotations
@@ -15,8 +14,9 @@ import multiprocessing.connection
 import os
 import time
 
-from .protocol import Channel
-from .rank_entry import RankSpec
+from ..rank.entry import RankSpec
+from ..wire.channel import Channel
+from ..wire.messages import Stream
 
 
 class RankPipes:
@@ -24,7 +24,8 @@ class RankPipes:
 
     def __init__(self, ctx, nprocs: int, persistent: bool):
         lifeline_child, self.lifeline = ctx.Pipe(duplex=False)
-        self.readers: dict = {}  # output pipes and reply channels -> (kind, rank)
+        self.streams: dict = {}  # output and ledger pipes -> (Stream, rank)
+        self.replies: dict[Channel, int] = {}  # reply channels -> rank
         self.stacks: dict[int, object] = {}  # rank -> read end of its faulthandler pipe
         self.commands: dict[int, Channel] = {}
         self.controls: dict[int, Channel] = {}
@@ -35,8 +36,9 @@ class RankPipes:
             res_r, res_w = ctx.Pipe(duplex=False)
             stk_r, stk_w = ctx.Pipe(duplex=False)
             led_r, led_w = ctx.Pipe(duplex=False)
-            self.readers.update({out_r: ("out", rank), err_r: ("err", rank),
-                                 Channel(res_r): ("res", rank), led_r: ("led", rank)})
+            self.streams.update({out_r: (Stream.OUT, rank), err_r: (Stream.ERR, rank),
+                                 led_r: (Stream.LEDGER, rank)})
+            self.replies[Channel(res_r)] = rank
             self.stacks[rank] = stk_r
             cmd_r = control_child = None
             if persistent:
@@ -59,8 +61,9 @@ class RankPipes:
         self._child = []
 
     def forget(self, conn) -> None:
-        """A reader reached EOF: stop watching it."""
-        del self.readers[conn]
+        """A pipe or channel reached EOF: stop watching it."""
+        self.streams.pop(conn, None)
+        self.replies.pop(conn, None)
         conn.close()
 
     def close_lifeline(self) -> None:
@@ -72,11 +75,12 @@ class RankPipes:
     def close(self) -> None:
         """Close every end we hold."""
         self.close_lifeline()
-        for conn in [*self.readers, *self.commands.values(), *self.controls.values(),
-                     *self.stacks.values()]:
+        for conn in [*self.streams, *self.replies, *self.commands.values(),
+                     *self.controls.values(), *self.stacks.values()]:
             with contextlib.suppress(OSError):
                 conn.close()
-        self.readers.clear()
+        self.streams.clear()
+        self.replies.clear()
         self.commands.clear()
         self.controls.clear()
         self.stacks.clear()

@@ -22,7 +22,7 @@ import stat
 import tempfile
 import time
 
-MAGIC = b"DDPH-SERVE-1\n"  # protocol name and version: a mismatch is refused before any nonce
+MAGIC = b"DDPH-SERVE-1\n"  # the handshake's name and version: another is refused before any nonce
 NONCE = 32
 DIGEST = 32
 HANDSHAKE_SECONDS = 10.0  # how long a connecting peer may take to answer the challenge

@@ -6,7 +6,7 @@ multiprocessing's spawn and forkserver children re-run the parent's main script 
 script without the guard that re-run starts ranks of its own inside every rank. Persistent ranks
 and functions from modules need nothing from the script, so for an unguarded call the ranks start
 without it (`main_hidden`); a function or value defined in the script itself does need it, and
-is refused before anything starts, with the guard shown (`check_guarded`).
+is refused before anything starts, with the guard shown (options.check_guarded).
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
-
-from .errors import LaunchRefused
 
 
 @dataclass(frozen=True)
@@ -91,27 +89,6 @@ def _is_main_test(test: ast.expr) -> bool:
     names = [s.id for s in sides if isinstance(s, ast.Name)]
     consts = [s.value for s in sides if isinstance(s, ast.Constant)]
     return names == ["__name__"] and consts == ["__main__"]
-
-
-def guard_fix(site: CallSite) -> str:
-    """The paragraph that shows the guard around the call that needs it."""
-    return (
-        f"The call at {site.where()} runs at the script's top level, not under the guard "
-        "`if __name__ == \"__main__\":`. Spawned ranks re-run the script to find what it "
-        "defines, so without the guard every rank would start ranks of its own. Put the "
-        "script's work under the guard:\n"
-        "    if __name__ == \"__main__\":\n"
-        f"        {site.text}\n"
-        "or define the function in a module of its own and import it. Nothing was started.")
-
-
-def check_guarded(what: str) -> None:
-    """Refuse `what` (a function or value defined in the script) when the call is unguarded:
-    the ranks could only find it by re-running the whole script."""
-    site = unguarded_call()
-    if site is not None:
-        raise LaunchRefused(f"{what} is defined in the script {Path(site.path).name}, which the "
-                            "ranks would have to re-run to find it. " + guard_fix(site))
 
 
 @contextlib.contextmanager

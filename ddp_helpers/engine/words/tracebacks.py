@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-_KIT_ROOT = Path(__file__).resolve().parents[1]  # .../ddp_helpers
+_KIT_ROOT = Path(__file__).resolve().parents[2]  # .../ddp_helpers
 # The engine only carries a rank's error to the parent: its frames are plumbing. The teaching
 # library's frames (runtime, data, training, the lessons) are the learner's to read.
 _ENGINE = "engine"
