@@ -25,6 +25,20 @@ WRONG = {  # label: (answer, text its FAIL must name)
     "keep what follows the last module.": (_body("k.split(PREFIX)[-1]"), "case 3: keys"),
     "drop every component named module": (
         _body('".".join(p for p in k.split(".") if p != "module")'), "case 3: keys"),
+    "strip every leading module. (a doubled prefix taken for DDP's)": (
+        "import re\n\n\ndef strip_ddp_prefix(state_dict):\n"
+        "    return {re.sub(r'^(module\\.)+', '', k): v for k, v in state_dict.items()}\n",
+        "case 6: keys: got ['1.bias', 'scale'], expected ['1.bias', 'module.scale']"),
+    "every tensor cast to float": (
+        edit("strip_ddp_prefix", "else k: v for", "else k: v.float() for"),
+        "case 7: bn.num_batches_tracked: got torch.float32, expected a tensor of torch.int64"),
+    "values as lists": (
+        edit("strip_ddp_prefix", "else k: v for", "else k: v.tolist() for"),
+        "case 1: 1.weight: got list, expected a tensor of torch.float32"),
+    "buffers dropped, parameters kept": (
+        edit("strip_ddp_prefix", "state_dict.items()}",
+             "state_dict.items() if v.is_floating_point()}"),
+        "case 7: keys"),
 }
 
 RIGHT = {
@@ -38,6 +52,12 @@ RIGHT = {
         "import re\nfrom collections import OrderedDict\n\n\ndef strip_ddp_prefix(state_dict):\n"
         "    out = OrderedDict()\n    for key, value in state_dict.items():\n"
         "        out[re.sub(r'^module\\.', '', key)] = value\n    return out\n"),
+    "partition, and clones": (
+        "def strip_ddp_prefix(state_dict):\n    out = {}\n"
+        "    for key, value in state_dict.items():\n"
+        "        head, dot, rest = key.partition('.')\n"
+        "        out[rest if head == 'module' and dot else key] = value.clone()\n"
+        "    return out\n"),
 }
 
 
@@ -126,6 +146,18 @@ LOADER_WRONG = {  # label: (answer, text its FAIL must name)
         "    mine = Subset(dataset, range(rank * per, (rank + 1) * per))\n"
         "    return DataLoader(mine, batch_size=batch_size)\n",
         "12 samples, rank 0 of 2, epoch 0: sample 0: got image 0"),
+    # the world size written in: right on the 2-rank sizes, wrong on 3 and 5 ranks
+    "num_replicas=2 written in": (
+        _sampler(SAMPLER.replace("num_replicas=world_size", "num_replicas=2")),
+        "10 samples, rank 0 of 3, epoch 0: got 5 samples, expected 4"),
+    # rank and world size read from torchrun's variables instead of the arguments
+    "RANK and WORLD_SIZE from the environment": (
+        "import os\nfrom torch.utils.data import DataLoader, DistributedSampler\n\n\n"
+        "def sharded_loader(dataset, rank, world_size, batch_size=64):\n"
+        "    sampler = DistributedSampler(dataset, int(os.environ['WORLD_SIZE']),\n"
+        "                                 int(os.environ['RANK']), seed=0)\n"
+        "    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)\n",
+        "12 samples, rank 0 of 2: raised KeyError: 'WORLD_SIZE'"),
     "a hand-made shard without padding": (
         _hand_sampler(""), "10 samples, rank 1 of 3, epoch 0: got 3 samples, expected 4"),
     "a hand-made shard padded once, not cyclically": (

@@ -25,6 +25,8 @@ from ddp_helpers.lessons import beyond_one_machine as lesson
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_SCRIPT = ROOT / "examples" / "slurm_torchrun.sh"
 SBATCH = ROOT / "examples" / "slurm_ddp.sbatch"
+SRUN_TASK = ROOT / "examples" / "slurm_srun_task.sh"
+SRUN_SBATCH = ROOT / "examples" / "slurm_srun.sbatch"
 MODULE = lesson.__name__  # the module torchrun runs: python -m ddp_helpers.lessons.beyond_one_...
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 STEPS, EVERY, FAULT = 12, 4, 7
@@ -88,6 +90,11 @@ def test_relaunch_resumes_from_the_checkpoint_and_ends_where_an_uninterrupted_ru
                         output="none")
     assert [r["resumed_from"] for r in results] == [4, 4]
     assert torch.equal(results[0]["params"], reference["params"])
+    # a rerun (as after a Slurm requeue: torchrun's restart count is 0 again) is attempt 1 and
+    # keeps attempt 0's records
+    assert lesson.restart_summary(lesson.collect(out)) == {"attempts": {
+        0: {"resumed_from": 0, "last_step": FAULT - 1},
+        1: {"resumed_from": 4, "last_step": STEPS}}, "steps_redone": FAULT - 1 - 4}
 
 
 def test_fault_step_outside_the_run_is_refused_with_the_range(tmp_path):
@@ -344,18 +351,73 @@ def test_sbatch_script_gives_srun_the_cpus_and_the_lesson_module(tmp_path):
     assert "#SBATCH --requeue" in header and "#SBATCH --output=runs/slurm-%j.out" in header
 
 
-def test_torchrun_flags_check_passes_the_solution_and_names_a_wrong_flag():
+def test_srun_task_script_turns_slurm_variables_into_torchs():
+    env, hosts = lesson.srun_env("4242", "gpu[07-08]", ["gpu07", "gpu08"], node=1, gpus=2,
+                                 tasks_per_node=2, local=1)
+    assert lesson.srun_task_env(env, hosts) == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "gpu07", "MASTER_PORT": "29742"}  # the first host; the job's port
+    assert lesson.srun_task_env({**env, "MASTER_PORT": "12345"}, hosts)["MASTER_PORT"] == "12345"
+
+
+def test_srun_task_script_outside_a_task_or_without_tasks_per_node_says_so():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    p = subprocess.run(["bash", str(SRUN_TASK)], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert p.returncode != 0 and "not a Slurm task: run this through srun" in p.stderr
+    env, hosts = lesson.srun_env("4242", "gpu[07-08]", ["gpu07", "gpu08"], node=0)
+    del env["SLURM_NTASKS_PER_NODE"]
+    with pytest.raises(RuntimeError, match="give srun --ntasks-per-node"):
+        lesson.srun_task_env(env, hosts)
+
+
+def test_srun_sbatch_starts_the_task_script_per_gpu(tmp_path):
+    (tmp_path / "srun").write_text('#!/bin/sh\necho "$@"\n')
+    (tmp_path / "srun").chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))},
+           "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "99"}
+    p = subprocess.run(["bash", str(SRUN_SBATCH)], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[:2] == ["--kill-on-bad-exit=1", "examples/slurm_srun_task.sh"]
+    assert f"-m {MODULE} --out runs/slurm-99" in p.stdout
+    header = [ln for ln in SRUN_SBATCH.read_text().splitlines() if ln.startswith("#SBATCH")]
+    assert {"#SBATCH --ntasks-per-node=2", "#SBATCH --gpus-per-node=2",
+            "#SBATCH --requeue"} <= set(header)
+
+
+@pytest.mark.slow
+def test_srun_tasks_without_torchrun_train_like_launch(reference, tmp_path):
+    tasks = lesson.srun_tasks(TRAIN.split() + ["--out", str(tmp_path)], timeout=HANG_GUARD)
+    assert [t["returncode"] for t in tasks] == [0, 0], tasks
+    assert lesson.loss_by_rank(lesson.collect(tmp_path)) == reference["losses"]
+
+
+def test_an_interface_gloo_cannot_find_is_named_at_init():
+    assert lesson.init_with_interface("eth9") == (
+        "GLOO_SOCKET_IFNAME=eth9: RuntimeError: Unable to find address for: eth9")
+    assert lesson.init_with_interface("lo") == "GLOO_SOCKET_IFNAME=lo: the group started"
+
+
+def test_torchrun_flags_check_passes_the_scripts_own_flags_and_another_scheme():
+    """The check reads flags by meaning: the script's own command passes on every fake job, so
+    does a rendezvous on the last node with another port scheme; no flags fail every job."""
     from ddp_helpers.solutions.torchrun_flags_from_slurm import torchrun_flags_from_slurm
 
     check = exercises.find("torchrun_flags_from_slurm").check
-    assert all(c.ok for c in check(_module(torchrun_flags_from_slurm=torchrun_flags_from_slurm)))
 
-    def last_host(env, hosts):  # the rendezvous on the last node instead of the first
+    def the_script(env, hosts):
+        command = lesson.slurm_torchrun_command(env, hosts)
+        assert command[0] == "torchrun"
+        return command[1:]
+
+    def last_host(env, hosts):  # the store on the last node, a port of another range
         right = torchrun_flags_from_slurm(env, hosts)
-        return {**right, "--rdzv-endpoint": right["--rdzv-endpoint"].replace(hosts[0], hosts[-1])}
+        port = 40000 + int(env["SLURM_JOB_ID"]) % 20000
+        return {**right, "--rdzv-endpoint": f"{hosts[-1]}:{port}"}
 
-    cases = check(_module(torchrun_flags_from_slurm=last_host))
-    assert [c.ok for c in cases] == [False] * 4 + [True]  # one node: the last host is the first
-    assert cases[2].detail == "--rdzv-endpoint is 'a100-10:29773', the script gives 'a100-3:29773'"
+    for answer in (the_script, last_host):
+        cases = check(_module(torchrun_flags_from_slurm=answer))
+        assert [c.ok for c in cases] == [True] * len(lesson.JOBS), cases
     none = check(_module(torchrun_flags_from_slurm=lambda env, hosts: None))
-    assert not any(c.ok for c in none)
+    assert [c.detail for c in none] == ["node 0: got None, expected a dict of flags"] * 4

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -41,6 +42,7 @@ CHECKPOINT = "checkpoint.pt"
 FINAL = "final.pt"
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "slurm_torchrun.sh"
+SRUN_TASK = ROOT / "examples" / "slurm_srun_task.sh"
 
 # ---------------------------------------------------------------- data, model, data order
 
@@ -110,13 +112,12 @@ def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every:
                          "pick a step inside the run, or None for no fault.")
     # The same arithmetic under any launcher (torchrun sets 1 thread only for 2+ workers a node).
     torch.set_num_threads(1)
-    # torchrun counts its agent's restarts; under dh.launch there are none, so attempt 0.
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = Path(out_dir)
     (out / "records").mkdir(parents=True, exist_ok=True)
     # The device comes from LOCAL_RANK (this machine's worker number), never from the global
     # rank: on a second node rank 2 is that node's cuda:0.
     with process_group(rank, world_size, backend=backend, verbose=False) as device:
+        attempt = agreed_attempt(out, device)  # 0, then 1 after a restart, a rerun, a requeue
         x, y = make_dataset(seed)
         model = make_model(seed).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -157,6 +158,16 @@ def train(rank: int, world_size: int, out_dir: str, steps: int = 30, ckpt_every:
             save_checkpoint({"step": steps, "params": params}, out / FINAL)
         return {"rank": rank, "attempt": attempt, "resumed_from": start, "losses": losses,
                 "params": params}
+
+
+def agreed_attempt(out: Path, device: torch.device) -> int:
+    """This attempt's number in `out`: how many attempts rank 0 finds records of. A torchrun
+    restart, a rerun of the same command and a requeued Slurm job all count on, where
+    TORCHELASTIC_RESTART_COUNT starts again at 0 in every new torchrun. Rank 0 counts and
+    broadcasts, so every rank gets the same number."""
+    n = torch.tensor([len(list((out / "records").glob("rank0.attempt*.jsonl")))], device=device)
+    dist.broadcast(n, src=0)
+    return int(n.item())
 
 
 def _write(log, rec: dict) -> None:
@@ -235,6 +246,41 @@ def restart_summary(records: list[dict]) -> dict:
 def final_params(out_dir: str | os.PathLike) -> torch.Tensor:
     """The flat parameters rank 0 saved at the end of a run."""
     return torch.load(Path(out_dir) / FINAL, map_location="cpu", weights_only=True)["params"]
+
+
+def show_device_choice() -> None:
+    """Print the lines of dh.process_group (ddp_helpers/runtime.py) that give a rank its device:
+    the local rank from LOCAL_RANK, and on GPUs that local rank's GPU, made current."""
+    import inspect
+
+    from ddp_helpers import runtime
+
+    for fn, marks in ((runtime.process_group, ("LOCAL_RANK", "_place_rank(")),
+                      (runtime._place_rank, ('torch.device("cuda"', "set_device(", "Before init"))):
+        print(f"runtime.py, {fn.__name__}:")
+        for line in inspect.getsource(fn).splitlines():
+            if any(m in line for m in marks):
+                print(f"    {line.strip()}")
+
+
+def init_with_interface(name: str) -> str:
+    """What gloo says when GLOO_SOCKET_IFNAME names an interface: one rank, world size 1."""
+    from ddp_helpers import launch
+
+    (said,) = launch(_init_on, args=(name,), nprocs=1, timeout=60, output="none",
+                     env={"GLOO_SOCKET_IFNAME": name})
+    return said
+
+
+def _init_on(rank: int, name: str) -> str:
+    try:
+        with process_group(rank, 1, backend="gloo", verbose=False):
+            return f"GLOO_SOCKET_IFNAME={name}: the group started"
+    except RuntimeError as e:
+        # gloo's message starts with a C++ source path and the failed test ("[enforce fail at
+        # .../device.cc:84] ifa != nullptr. "): the sentence after them is the news
+        said = re.sub(r"^\S+ != \S+\. ", "", str(e).split("] ")[-1].strip())
+        return f"GLOO_SOCKET_IFNAME={name}: {type(e).__name__}: {said}"
 
 
 # ---------------------------------------------------------------- served ranks: %%ranks on torchrun
@@ -318,84 +364,115 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def srun_env(job: str, nodelist: str, hosts: list[str], node: int, gpus: int | None = None,
-             **extra: str) -> tuple[dict[str, str], list[str]]:
-    """What `srun --ntasks-per-node=1` sets on node `node` of a job on `hosts`, and what
-    `scontrol show hostnames` prints there: the variables a learner might reach for too
-    (SLURM_NTASKS counts tasks, not GPUs; SLURMD_NODENAME is this node, not the first)."""
+             tasks_per_node: int = 1, local: int = 0, **extra: str
+             ) -> tuple[dict[str, str], list[str]]:
+    """What srun sets for task `local` of `tasks_per_node` on node `node` of a job on `hosts`,
+    and what `scontrol show hostnames` prints there: the variables a learner might reach for
+    too (SLURM_NTASKS counts tasks, not GPUs; SLURMD_NODENAME is this node, not the first;
+    SLURM_SUBMIT_HOST is the login node sbatch ran on, not one of the job's)."""
     n = str(len(hosts))
     env = {"SLURM_JOB_ID": job, "SLURM_JOBID": job, "SLURM_JOB_NODELIST": nodelist,
            "SLURM_NODELIST": nodelist, "SLURM_JOB_NUM_NODES": n, "SLURM_NNODES": n,
-           "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LOCALID": "0",
-           "SLURM_NTASKS": n, "SLURM_NTASKS_PER_NODE": "1", "SLURMD_NODENAME": hosts[node]}
+           "SLURM_NODEID": str(node), "SLURM_PROCID": str(node * tasks_per_node + local),
+           "SLURM_LOCALID": str(local), "SLURM_NTASKS": str(len(hosts) * tasks_per_node),
+           "SLURM_NTASKS_PER_NODE": str(tasks_per_node), "SLURMD_NODENAME": hosts[node],
+           "SLURM_SUBMIT_HOST": "login01"}
     if gpus:
         env["SLURM_GPUS_ON_NODE"] = str(gpus)
     return {**env, **extra}, hosts
 
 
-# Fake allocations: both nodes of a two-node job; node 2 of four, from a node list with ranges;
-# a mixed list of three; one CPU node with MASTER_PORT set.
-ALLOCATIONS = [
-    srun_env("4242", "gpu[07-08]", ["gpu07", "gpu08"], 0, gpus=2),
-    srun_env("4242", "gpu[07-08]", ["gpu07", "gpu08"], 1, gpus=2),
-    srun_env("918273", "a100-[3,5,9-10]", ["a100-3", "a100-5", "a100-9", "a100-10"], 2, gpus=8),
-    srun_env("5150", "node[001-002],bigmem03", ["node001", "node002", "bigmem03"], 1, gpus=4),
-    srun_env("77", "cpu01", ["cpu01"], 0, MASTER_PORT="12345"),
+# Fake jobs: (job id, node list, what `scontrol show hostnames` prints, GPUs per node): two
+# nodes; four from a list with ranges; three from a mixed list; two CPU nodes without GPUs.
+JOBS = [
+    ("4242", "gpu[07-08]", ["gpu07", "gpu08"], 2),
+    ("918273", "a100-[3,5,9-10]", ["a100-3", "a100-5", "a100-9", "a100-10"], 8),
+    ("5150", "node[001-002],bigmem03", ["node001", "node002", "bigmem03"], 4),
+    ("77", "cpu[01-02]", ["cpu01", "cpu02"], None),
 ]
 _OURS = ("MASTER_PORT", "NPROC_PER_NODE", "TORCHRUN", "MAX_RESTARTS", "DRY_RUN")
+
+
+def job_nodes(job: str, nodelist: str, hosts: list[str], gpus: int | None
+              ) -> list[tuple[dict[str, str], list[str]]]:
+    """srun's variables and `scontrol show hostnames` on every node of a fake job."""
+    return [srun_env(job, nodelist, hosts, node, gpus) for node in range(len(hosts))]
 
 
 def slurm_torchrun_command(env: dict[str, str], hostnames: list[str]) -> list[str]:
     """The torchrun command slurm_torchrun.sh builds on a node with these Slurm variables, found
     by running the script itself with DRY_RUN=1 and a fake `scontrol`."""
+    return _dry_run(SCRIPT, env, hostnames).split()
+
+
+def srun_task_env(env: dict[str, str], hostnames: list[str]) -> dict[str, str]:
+    """The variables slurm_srun_task.sh gives its python on a task with these Slurm variables
+    (the script itself, run with DRY_RUN=1 and a fake `scontrol`)."""
+    return dict(line.split("=", 1) for line in _dry_run(SRUN_TASK, env, hostnames).splitlines())
+
+
+def _fake_scontrol(bin_dir: str, hostnames: list[str]) -> None:
+    scontrol = Path(bin_dir, "scontrol")  # prints the node list, as the real one would
+    scontrol.write_text("#!/bin/sh\nprintf '%s\\n' "
+                        + " ".join(shlex.quote(h) for h in hostnames) + "\n")
+    scontrol.chmod(0o755)
+
+
+def _slurm_env(env: dict[str, str], bin_dir: str) -> dict[str, str]:
+    """This process's environment without Slurm's or the scripts' own variables, plus `env`."""
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in _OURS}
+    full.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return full
+
+
+def _dry_run(script: Path, env: dict[str, str], hostnames: list[str]) -> str:
     with tempfile.TemporaryDirectory() as bin_dir:
-        scontrol = Path(bin_dir, "scontrol")  # prints the node list, as the real one would
-        scontrol.write_text("#!/bin/sh\nprintf '%s\\n' "
-                            + " ".join(shlex.quote(h) for h in hostnames) + "\n")
-        scontrol.chmod(0o755)
-        full = {k: v for k, v in os.environ.items()
-                if not k.startswith("SLURM_") and k not in _OURS}
-        full.update(env, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", DRY_RUN="1")
-        p = subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True,
-                           timeout=60)
+        _fake_scontrol(bin_dir, hostnames)
+        p = subprocess.run(["bash", str(script)], env={**_slurm_env(env, bin_dir), "DRY_RUN": "1"},
+                           capture_output=True, text=True, timeout=60)
     if p.returncode != 0:
-        raise RuntimeError(f"{SCRIPT.name} failed with exit code {p.returncode}: "
+        raise RuntimeError(f"{script.name} failed with exit code {p.returncode}: "
                            f"{p.stderr.strip()}")
-    return p.stdout.split()
+    return p.stdout
+
+
+def srun_tasks(args: list[str], tasks_per_node: int = 2, job: str = "4242",
+               timeout: float = 120) -> list[dict]:
+    """Run slurm_srun_task.sh on this machine as `srun --ntasks-per-node=N` would on one node:
+    N processes at once, each with the variables srun gives a task (SLURM_PROCID, SLURM_LOCALID,
+    SLURM_NTASKS, ...) and a fake `scontrol` naming this machine; each runs `python *args`.
+    Returns each task's exit code and output, rank-ordered."""
+    from ddp_helpers import free_port
+
+    procs = []
+    with tempfile.TemporaryDirectory() as bin_dir:
+        _fake_scontrol(bin_dir, ["127.0.0.1"])
+        n = str(tasks_per_node)
+        common = {"SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "localhost", "SLURM_NTASKS": n,
+                  "SLURM_NTASKS_PER_NODE": n, "SLURM_NODEID": "0", "MASTER_PORT": str(free_port()),
+                  "PYTHON": sys.executable}
+        for task in range(tasks_per_node):
+            env = _slurm_env({**common, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)},
+                             bin_dir)
+            procs.append(subprocess.Popen(["bash", str(SRUN_TASK), *args], cwd=ROOT, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+        return [_finish(p, timeout) for p in procs]
+
+
+def _finish(p: subprocess.Popen, timeout: float) -> dict:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a hung task: stop it and whatever it started
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+    return {"returncode": p.returncode, "output": readable(out)}
 
 
 def flags(command: list[str]) -> dict[str, str]:
     """The --flag value pairs of a command line, as a dict."""
     return {a: b for a, b in zip(command, command[1:]) if a.startswith("--")}
-
-
-# torchrun reads these only with --rdzv-backend static (run.py warns that it ignores them):
-# under c10d they change nothing, so an answer may give them or not.
-STATIC_ONLY = ("node_rank", "master_addr", "master_port")
-
-
-def torchrun_args(argv: list[str]) -> tuple[dict, dict[str, tuple[str, object]], set[str]]:
-    """argv parsed by torchrun's own parser, so that every spelling torchrun accepts counts the
-    same (--rdzv_id or --rdzv-id, --nnodes=2 or --nnodes 2 or 2:2): {dest: value}, {dest: (its
-    flag, torchrun's default)}, and the dests argv gave."""
-    from torch.distributed.run import get_args_parser, parse_min_max_nnodes
-
-    parser = get_args_parser()
-
-    def refuse(message: str):
-        raise ValueError(f"torchrun would refuse these flags: {message}")
-
-    parser.error = refuse  # argparse would print usage and exit the kernel
-    named = {a.dest: (a.option_strings[0], a.default) for a in parser._actions
-             if a.option_strings}
-    unset = object()
-    parser.set_defaults(**dict.fromkeys(named, unset))  # to tell a flag given from one left out
-    parsed = vars(parser.parse_args([*argv, "train.py"]))
-    given = {dest for dest, value in parsed.items() if value is not unset}
-    parsed.update({dest: named[dest][1] for dest in named if dest not in given})
-    low, high = parse_min_max_nnodes(str(parsed["nnodes"]))  # "2" and "2:2": one fixed size
-    parsed["nnodes"] = str(low) if low == high else f"{low}:{high}"
-    named["nnodes"] = ("--nnodes", "1")
-    return parsed, named, given
 
 
 def as_argv(answer) -> list[str]:
@@ -412,43 +489,171 @@ def as_argv(answer) -> list[str]:
     return argv
 
 
-def flag_differences(answer, command: list[str]) -> list[str]:
-    """What torchrun would do differently with `answer`'s flags than with `command`'s."""
-    want, named, _ = torchrun_args(command[1:])
-    got, _, given = torchrun_args(as_argv(answer))
+class Refused(ValueError):
+    """torchrun would refuse these flags (its parser, or its endpoint parsing, says why)."""
+
+
+def torchrun_reads(answer) -> dict:
+    """What torchrun makes of an answer's flags: its own parser (every spelling it accepts:
+    --rdzv_id or --rdzv-id, --nnodes=2 or 2:2), --standalone rewritten as torch's run() does,
+    the endpoint split as the c10d backend splits it (29400 when no port is given)."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import get_args_parser, get_rdzv_endpoint, parse_min_max_nnodes
+
+    parser = get_args_parser()
+
+    def refuse(message: str):
+        raise Refused(message)
+
+    parser.error = refuse  # argparse would print its usage and exit the kernel
+    args = parser.parse_args([*as_argv(answer), "train.py"])
+    if args.standalone:  # torch/distributed/run.py run(): one node, its own store
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", "<uuid4>"
+    if args.master_port is None:
+        args.master_port = 29500  # as run() sets it
+    try:
+        nnodes = parse_min_max_nnodes(str(args.nnodes))
+        endpoint = parse_rendezvous_endpoint(get_rdzv_endpoint(args), default_port=29400)
+    except (ValueError, RuntimeError) as e:
+        raise Refused(str(e)) from e
+    return {"standalone": args.standalone, "backend": args.rdzv_backend, "nnodes": nnodes,
+            "nproc": args.nproc_per_node, "endpoint": endpoint, "id": args.rdzv_id,
+            "restarts": args.max_restarts}
+
+
+LOOPBACK = ("localhost", "127.", "::1", "0.0.0.0")
+
+
+def node_problems(got: dict, hosts: list[str], gpus: int | None) -> list[str]:
+    """What keeps one node's flags from working in a fixed job on `hosts`, first things first."""
+    if got["standalone"]:
+        return ["--standalone: each node's torchrun makes a rendezvous of its own on localhost, "
+                "with a random run id, so the nodes never meet (it is for one node)"]
+    if got["backend"] != "c10d":
+        return [f"--rdzv-backend is {got['backend']!r} (torchrun's default when none is given): "
+                "the exercise asks for the c10d rendezvous"]
+    problems = []
+    low, high = got["nnodes"]
+    if (low, high) != (len(hosts), len(hosts)):
+        given = str(low) if low == high else f"{low}:{high}"
+        elastic = " (MIN:MAX lets the rendezvous start with fewer)" if low != high else ""
+        problems.append(f"--nnodes is {given!r}, the job has {len(hosts)} nodes{elastic}")
+    problems += nproc_problems(str(got["nproc"]), gpus)
+    host, port = got["endpoint"]
+    if host.startswith(LOOPBACK):
+        problems.append(f"--rdzv-endpoint host {host!r} is every node's own machine: the nodes "
+                        "never meet")
+    elif host not in hosts:
+        problems.append(f"--rdzv-endpoint host {host!r} is not one of the job's nodes "
+                        f"({', '.join(hosts)}): the store's host must be one of them")
+    if not 1024 <= port <= 65535:
+        why = ("asks each host for a free port, which the others cannot know" if port == 0 else
+               "needs root" if 0 < port < 1024 else "is not a TCP port (1024 to 65535)")
+        problems.append(f"--rdzv-endpoint port {port} {why}")
+    if got["restarts"] < 1:
+        problems.append(f"--max-restarts is {got['restarts']} (torchrun's default is 0): the "
+                        "exercise asks that each agent may restart its workers at least once")
+    return problems
+
+
+def nproc_problems(nproc: str, gpus: int | None) -> list[str]:
+    """--nproc-per-node against one worker per GPU (one on a node without GPUs). torchrun turns
+    'gpu' and 'auto' into the GPUs it sees, which Slurm limits to the job's
+    (CUDA_VISIBLE_DEVICES)."""
+    if nproc in ("gpu", "auto") and gpus:
+        return []
+    if nproc == "gpu":
+        return ["--nproc-per-node is 'gpu' on a node without GPUs: torchrun refuses it "
+                "('Cuda is not available')"]
+    if nproc in ("auto", "cpu"):
+        return [f"--nproc-per-node is {nproc!r} on a node without GPUs: one worker per CPU "
+                "core, expected 1"]
+    want = gpus or 1
+    if nproc != str(want):
+        has = f"this node has {gpus} GPUs" if gpus else "this node has no GPU"
+        return [f"--nproc-per-node is {nproc!r}, {has}: expected {want}"]
+    return []
+
+
+def job_problems(fn, job: tuple) -> tuple[list[str], list[dict]]:
+    """fn's flags on every node of `job`: what is wrong on the first node where anything is,
+    else what the nodes do not agree on; and what torchrun reads on each node."""
+    _, _, hosts, gpus = job
+    read = []
+    for n, (env, names) in enumerate(job_nodes(*job)):
+        try:
+            answer = fn(dict(env), list(names))
+        except Exception as e:  # noqa: BLE001 - a crash on one node names that node
+            return [f"node {n}: raised {type(e).__name__}: {_first_line(e)}"], read
+        if not isinstance(answer, (dict, list, tuple)):
+            return [f"node {n}: got {answer!r}, expected a dict of flags"], read
+        try:
+            got = torchrun_reads(answer)
+        except Refused as e:
+            return [f"node {n}: torchrun refuses these flags: {_first_line(e)}"], read
+        problems = node_problems(got, hosts, gpus)
+        if problems:
+            return [f"node {n}: {p}" for p in problems], read
+        read.append(got)
+    return disagreements(read), read
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [""])[0]
+
+
+AGREED = (("endpoint", "--rdzv-endpoint"), ("id", "--rdzv-id"), ("nnodes", "--nnodes"))
+
+
+def _shown(key: str, value) -> str:
+    return f"{value[0]}:{value[1]}" if key == "endpoint" else repr(value)
+
+
+def disagreements(read: list[dict]) -> list[str]:
+    """The flags every node of a job must give alike and that these nodes do not."""
     wrong = []
-    for dest, value in want.items():
-        if dest in STATIC_ONLY or got[dest] == value:
-            continue
-        flag, default = named.get(dest, (dest, None))
-        if dest not in given:
-            wrong.append(f"{flag} is missing (torchrun's default: {default!r}), the script gives "
-                         f"{value!r}")
-        elif value == default:
-            wrong.append(f"{flag} is {got[dest]!r}, the script leaves torchrun's default "
-                         f"{value!r}")
-        else:
-            wrong.append(f"{flag} is {got[dest]!r}, the script gives {value!r}")
+    for key, flag in AGREED:
+        values = [r[key] for r in read]
+        if len(set(values)) > 1:
+            n = next(i for i, v in enumerate(values) if v != values[0])
+            wrong.append(f"{flag}: node 0 gives {_shown(key, values[0])}, node {n} "
+                         f"{_shown(key, values[n])}: every node of a job must give the same")
+    return wrong
+
+
+def neighbour_problems(read: list[dict], other: list[dict], job: str) -> list[str]:
+    """Two jobs on the same nodes (ids `job` and `job` + 1) must neither meet at one endpoint
+    nor share a run id (torch's docs: an id that uniquely identifies the job)."""
+    if not read or not other:
+        return []
+    (a, b), nxt = (read[0], other[0]), int(job) + 1
+    wrong = []
+    if a["endpoint"] == b["endpoint"]:
+        wrong.append(f"jobs {job} and {nxt} on the same nodes both meet at "
+                     f"{_shown('endpoint', a['endpoint'])}: the second job's agents would join "
+                     "the first job's store")
+    if a["id"] == b["id"]:
+        default = " (torchrun's default)" if a["id"] == "none" else ""
+        wrong.append(f"jobs {job} and {nxt} both use --rdzv-id {a['id']!r}{default}: each job "
+                     "needs an id of its own")
     return wrong
 
 
 def torchrun_flag_cases(fn: Callable[[dict, list[str]], dict[str, str]]) -> list[Case]:
-    """One case per fake allocation: fn(env, hostnames)'s flags, read by torchrun's parser,
-    against the flags the script itself gives torchrun there."""
+    """One case per fake job: fn's flags on every node, read as torchrun reads them, judged by
+    what they do (any port scheme, host of the job or run id that works passes), and against
+    a second job on the same nodes."""
     cases = []
-    for env, hosts in ALLOCATIONS:
-        name = (f"job {env['SLURM_JOB_ID']} on {env['SLURM_JOB_NODELIST']}, node "
-                f"{env['SLURM_NODEID']} of {env['SLURM_JOB_NUM_NODES']}")
-        command = slurm_torchrun_command(env, hosts)
-        try:
-            got = fn(dict(env), list(hosts))
-            if not isinstance(got, (dict, list, tuple)):
-                cases.append(Case(name, False, f"got {got!r}, expected a dict of flags"))
-                continue
-            wrong = flag_differences(got, command)
-        except Exception as e:  # noqa: BLE001 - a crash on one allocation names that one
-            wrong = [f"raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"]
-        cases.append(Case(name, not wrong, "; ".join(wrong)))
+    for job in JOBS:
+        job_id, nodelist, hosts, gpus = job
+        name = (f"job {job_id} on {nodelist} ({len(hosts)} nodes, "
+                f"{f'{gpus} GPUs each' if gpus else 'no GPUs'})")
+        problems, read = job_problems(fn, job)
+        if not problems:
+            other_problems, other = job_problems(fn, (str(int(job_id) + 1), *job[1:]))
+            problems = ([f"job {int(job_id) + 1}, {p}" for p in other_problems]
+                        or neighbour_problems(read, other, job_id))
+        cases.append(Case(name, not problems, "; ".join(problems)))
     return cases
 
 
@@ -457,9 +662,10 @@ def torchrun_flag_cases(fn: Callable[[dict, list[str]], dict[str, str]]) -> list
 
 @exercise_check("torchrun_flags_from_slurm", "file")
 def check_torchrun_flags_from_slurm(module) -> list:
-    """The learner's flags against examples/slurm_torchrun.sh's, for five fake allocations (up
-    to four nodes, compressed node lists, a node other than the first), read as torchrun reads
-    them: any spelling it accepts is the same flag."""
+    """The learner's flags on every node of four fake jobs (two to four nodes, compressed node
+    lists, a CPU-only job) and of a neighbouring job on the same nodes, read by torchrun's own
+    parser and judged by what they do: one endpoint on one of the job's nodes, the job's node
+    count, a worker per GPU, restarts allowed, and an endpoint and run id of the job's own."""
     return torchrun_flag_cases(require(module, "torchrun_flags_from_slurm"))
 
 

@@ -131,7 +131,8 @@ def listing_fixed(rank: int, world_size: int, cfg: MnistConfig = MnistConfig()):
                               batch_size=cfg.batch_size,
                               sampler=sampler,  # FIX: the sampler shuffles; no shuffle=True
                               num_workers=cfg.num_workers,
-                              pin_memory=device.type == "cuda")  # NEW: page-locked batches
+                              pin_memory=device.type == "cuda",  # NEW: page-locked batches
+                              generator=torch.Generator().manual_seed(rank))  # NEW: see below
     model = models.build_model(cfg.model).to(device)  # KIT: nn.Sequential(Flatten(), Linear)
     model = DistributedDataParallel(
         model, device_ids=dh.device_ids(device))  # FIX: this machine's GPU (None on the CPU)
@@ -388,6 +389,13 @@ def time_rows(name: str, results: list[dict]) -> list[str]:
     return rows
 
 
+def per_step_rows(name: str, results: list[dict]) -> list[str]:
+    """Per rank: its steps, and its compute per step (the epoch's compute over its steps)."""
+    return [f"{name}, rank {r['rank']}: {len(r['compute_s'])} steps, compute "
+            f"{dh.format_seconds(sum(r['compute_s']) / len(r['compute_s']))} per step"
+            for r in results]
+
+
 # ---------------------------------------------------------------- racing downloads
 
 
@@ -502,6 +510,31 @@ def racing_downloads(rank: int, world_size: int, mirror: dict, root: str, late_s
         return f"loaded {len(trainset):,} images"
 
 
+# ---------------------------------------------------------------- the loader workers' seeds
+
+
+class _WorkerSeed(torch.utils.data.Dataset):
+    """Four items, each the seed of the loader worker that fetched it."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return torch.utils.data.get_worker_info().seed
+
+
+def worker_seeds(rank: int, world_size: int) -> dict:
+    """The seeds this rank's two loader workers get after the listing's torch.manual_seed(0):
+    with the listing's DataLoader, and with the fixed listing's generator seeded by the rank
+    (a worker's torch RNG, which random augmentations draw from, starts from its seed)."""
+    seeds = {}
+    for name, generator in (("listing", None), ("fixed", torch.Generator().manual_seed(rank))):
+        torch.manual_seed(0)
+        loader = DataLoader(_WorkerSeed(), batch_size=2, num_workers=2, generator=generator)
+        seeds[name] = sorted(set(torch.cat(list(loader)).tolist()))
+    return {"rank": rank, **seeds}
+
+
 # ---------------------------------------------------------------- a second node
 
 
@@ -536,12 +569,15 @@ def two_torchrun_nodes(script: str | os.PathLike, gpus_per_node: int = 2,
         ranks = sorted(line for line in lines if line.startswith("rank "))
         node = 1 if any(int(line.split()[1].rstrip(",:")) >= gpus_per_node
                         for line in ranks) else 0
-        errors = list(dict.fromkeys(line for line in lines if _EXCEPTION_LINE.match(line)))
+        # After init_process_group torch prefixes a worker's traceback lines with "[rankN]: ".
+        bare = (_RANK_PREFIX.sub("", line) for line in lines)
+        errors = list(dict.fromkeys(line for line in bare if _EXCEPTION_LINE.match(line)))
         nodes[node] = {"returncode": run["returncode"], "ranks": ranks, "errors": errors}
     return dict(sorted(nodes.items()))
 
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception)(:|$)")
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 
 
 # ---------------------------------------------------------------- exercises
@@ -555,30 +591,37 @@ LOADER_SIZES = ((12, 2, 4), (10, 3, 3), (1001, 2, 64), (2, 5, 2))
 def loader_cases(sharded_loader) -> list:
     """The learner's loader against DistributedSampler (seed 0) on every rank of each of
     LOADER_SIZES: the samples in order at epochs 0 and 1 (loader.sampler.set_epoch(1) between
-    them, as a training loop calls it), and the sizes of the batches."""
+    them, as a training loop calls it), and the sizes of the batches. An answer that raises
+    on one rank fails that rank's case."""
     cases = []
     for n, world, batch in LOADER_SIZES:
-        numbers = torch.utils.data.TensorDataset(torch.arange(n))
         for rank in range(world):
-            loader = sharded_loader(numbers, rank, world, batch_size=batch)
-            expected = DistributedSampler(range(n), world, rank, shuffle=True, seed=0)
             label = f"{n} samples, rank {rank} of {world}"
-            batches = [b[0] for b in loader]
-            cases.append(_samples_case(f"{label}, epoch 0", batches, list(expected)))
-            want = [min(batch, len(expected) - i) for i in range(0, len(expected), batch)]
-            sizes = [len(b) for b in batches]
-            cases.append(Case(f"{label}: batch sizes (batch_size={batch})", sizes == want,
-                              f"got {_short(sizes)}, expected {_short(want)}"))
-            reshuffle = getattr(getattr(loader, "sampler", None), "set_epoch", None)
-            if reshuffle is None:
-                cases.append(case(f"{label}, epoch 1: loader.sampler.set_epoch", "missing",
-                                  "present"))
-                continue
-            reshuffle(1)  # the same loader, told the epoch
-            expected.set_epoch(1)
-            cases.append(_samples_case(f"{label}, epoch 1", [b[0] for b in loader],
-                                       list(expected)))
+            try:
+                cases += _rank_loader_cases(sharded_loader, label, n, rank, world, batch)
+            except Exception as e:  # noqa: BLE001 - a crash on one rank names that rank
+                cases.append(Case(label, False, f"raised {type(e).__name__}: "
+                                                f"{(str(e).splitlines() or [''])[0]}"))
     return cases
+
+
+def _rank_loader_cases(sharded_loader, label: str, n: int, rank: int, world: int,
+                       batch: int) -> list:
+    numbers = torch.utils.data.TensorDataset(torch.arange(n))
+    loader = sharded_loader(numbers, rank, world, batch_size=batch)
+    expected = DistributedSampler(range(n), world, rank, shuffle=True, seed=0)
+    batches = [b[0] for b in loader]
+    cases = [_samples_case(f"{label}, epoch 0", batches, list(expected))]
+    want = [min(batch, len(expected) - i) for i in range(0, len(expected), batch)]
+    sizes = [len(b) for b in batches]
+    cases.append(Case(f"{label}: batch sizes (batch_size={batch})", sizes == want,
+                      f"got {_short(sizes)}, expected {_short(want)}"))
+    reshuffle = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+    if reshuffle is None:
+        return [*cases, case(f"{label}, epoch 1: loader.sampler.set_epoch", "missing", "present")]
+    reshuffle(1)  # the same loader, told the epoch
+    expected.set_epoch(1)
+    return [*cases, _samples_case(f"{label}, epoch 1", [b[0] for b in loader], list(expected))]
 
 
 def _samples_case(label: str, batches: list, expected: list[int]):
@@ -609,8 +652,10 @@ def check_sharded_loader(module) -> list:
 
 @exercise_check("strip_ddp_prefix", "file")
 def check_strip_ddp_prefix(module) -> list:
-    """Keys from ddp.state_dict() lose their leading "module." only; tensors stay the same.
-    Cases 3-5 keep a "module." that is not leading and a key that starts "modules."."""
+    """Keys from ddp.state_dict() lose their leading "module." only; tensors stay the same, dtype
+    included. Cases 3-6 keep a "module." that is not DDP's (a submodule called module, right
+    after DDP's too) and a key that starts "modules."; case 7 is a real model with such a
+    submodule and BatchNorm buffers, whose plain model must load the answer with strict=True."""
     strip = require(module, "strip_ddp_prefix")
     w, b = torch.ones(10, 784), torch.zeros(10)
     inner = torch.ones(3)
@@ -624,15 +669,55 @@ def check_strip_ddp_prefix(module) -> list:
         # A ModuleList named "modules": starts with "module" but not with "module.".
         ({"modules.0.weight": w, "modules.0.bias": b},
          {"modules.0.weight": w, "modules.0.bias": b}),
+        # DDP around a model whose own submodule is called "module": only the first one goes.
+        ({"module.module.scale": inner, "module.1.bias": b},
+         {"module.scale": inner, "1.bias": b}),
     ]
     cases = []
-    for i, (state, expected) in enumerate(given):
-        got = strip(dict(state))
-        keys = sorted(got) if isinstance(got, dict) else got
-        cases.append(case(f"case {i + 1}: keys", keys, sorted(expected)))
-        if isinstance(got, dict) and sorted(got) == sorted(expected):
-            cases += [case(f"case {i + 1}: {k}", got[k], v) for k, v in expected.items()]
+    for i, (state, expected) in enumerate(given, 1):
+        cases += _stripped_cases(f"case {i}", strip(dict(state)), expected)
+    with torch.random.fork_rng():  # the learner's RNG is left as it was
+        plain = _NetWithBuffers()
+    saved = {f"module.{k}": v for k, v in plain.state_dict().items()}  # what ddp.state_dict() holds
+    got = strip(dict(saved))
+    cases += _stripped_cases("case 7", got, plain.state_dict())
+    if all(c.ok for c in cases):
+        cases.append(_loads_strictly("case 7: the plain model loads it (strict=True)", got))
     return cases
+
+
+class _NetWithBuffers(nn.Module):
+    """A submodule called `module`, and BatchNorm: float buffers and an int64 step count."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.bn(torch.randn(8, 4))  # running statistics and num_batches_tracked away from 0
+
+
+def _stripped_cases(label: str, got, expected: dict) -> list:
+    keys = sorted(got) if isinstance(got, dict) else got
+    cases = [case(f"{label}: keys", keys, sorted(expected))]
+    if not (isinstance(got, dict) and sorted(got) == sorted(expected)):
+        return cases
+    for k, v in expected.items():
+        if not isinstance(got[k], torch.Tensor) or got[k].dtype != v.dtype:
+            kind = got[k].dtype if isinstance(got[k], torch.Tensor) else type(got[k]).__name__
+            cases.append(Case(f"{label}: {k}", False, f"got {kind}, expected a tensor of "
+                                                      f"{v.dtype} (the same tensor)"))
+        else:
+            cases.append(case(f"{label}: {k}", got[k], v, rtol=0, atol=0))
+    return cases
+
+
+def _loads_strictly(label: str, state: dict):
+    try:
+        with torch.random.fork_rng():
+            _NetWithBuffers().load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        return Case(label, False, f"raised {(str(e).splitlines() or [''])[0]}")
+    return Case(label, True)
 
 
 LINES_PRINTED = (4 * 938, 4 * 235)  # 4 ranks x ceil(60000/64); with the sampler ceil(15000/64)
