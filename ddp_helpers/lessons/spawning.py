@@ -264,13 +264,19 @@ def finishes_then_other_fails(rank: int, world_size: int) -> dict:
     raise RuntimeError("rank 1 ran out of memory (on purpose, for the lesson)")
 
 
-def hangs_on(rank: int, world_size: int, stuck_rank: int = 1) -> str:
-    """`stuck_rank` waits in recv for a message nobody sends; the others wait at a barrier."""
+def hangs_on(rank: int, world_size: int, stuck_rank: int = 1, marker: str = "") -> str:
+    """`stuck_rank` waits for a file nobody writes; the others wait at a barrier.
+
+    The stuck rank is outside torch (in Python, polling), so no collective is out of step and
+    nothing names the cause early: only the timeout stops it. (A rank stuck in a recv that
+    nobody sends is another matter: the kit sees each rank's call and names it within a second.)
+    """
+    marker = marker or os.path.join(tempfile.gettempdir(), f"never-written-{os.getpid()}")
     with process_group(rank, world_size, verbose=False):
         if rank == stuck_rank:
-            sender = 0 if stuck_rank != 0 else 1
-            print(f"waiting for a message from rank {sender}...", flush=True)
-            dist.recv(torch.empty(1), src=sender)  # the sender never sends: it is at the barrier
+            print("waiting for a file that rank 0 never writes...", flush=True)
+            while not os.path.exists(marker):  # rank 0 was meant to write it, and forgot
+                time.sleep(0.05)
         else:
             print("at the barrier", flush=True)
         dist.barrier()
