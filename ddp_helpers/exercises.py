@@ -47,22 +47,27 @@ class Exercise:
     kind: str
     check: Callable
     wrong_answer: object = None  # predictions: a plausible wrong answer, for the kit's tests
+    hints: tuple[str, ...] = ()  # dh.hint(name) prints them one at a time, in order
+    diagnosis: str = ""  # printed after a checked answer (never before): how to find the cause
 
 
 _REGISTRY: dict[str, Exercise] = {}
 
 
-def exercise_check(name: str, kind: str, wrong_answer: object = None) -> Callable:
+def exercise_check(name: str, kind: str, wrong_answer: object = None, *,
+                   hints: tuple[str, ...] = (), diagnosis: str = "") -> Callable:
     """Register the decorated function as the check of exercise `name`.
 
     file: check(module) -> list[Case]; ranks: check(namespace) -> list[Case], run on every
     rank; prediction: check(answer) -> list[Case]. Raise NotAttempted when there is no answer.
+    `hints` are shown one per dh.hint(name) call; `diagnosis` is printed after the verdict of an
+    answer that was checked (PASS or FAIL), so that the path to the cause comes after the guess.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: use one of {KINDS}")
 
     def register(fn: Callable) -> Callable:
-        _REGISTRY[name] = Exercise(name, kind, fn, wrong_answer)
+        _REGISTRY[name] = Exercise(name, kind, fn, wrong_answer, tuple(hints), diagnosis)
         return fn
 
     return register
@@ -79,8 +84,30 @@ class Verdict:
 
 
 def check(name: str, answer: object = _NOTHING, *, pool=None) -> None:
-    """Check the learner's answer to exercise `name` and print one verdict line."""
-    print(evaluate(name, answer, pool=pool).line, flush=True)
+    """Check the learner's answer to exercise `name` and print one verdict line (and, for an
+    exercise that has one, the diagnosis path after a checked answer)."""
+    verdict = evaluate(name, answer, pool=pool)
+    print(verdict.line, flush=True)
+    diagnosis = find(name).diagnosis
+    if diagnosis and verdict.outcome != "NOT ATTEMPTED":
+        print(f"How to find it: {diagnosis}", flush=True)
+
+
+_HINTS_SHOWN: dict[str, int] = {}  # exercise -> hints shown so far, in this kernel
+
+
+def hint(name: str) -> None:
+    """Print the next hint for exercise `name` (one per call); after the last, say so."""
+    hints = find(name).hints
+    shown = _HINTS_SHOWN.get(name, 0)
+    if not hints:
+        print(f"{name} has no hints: dh.reveal({name!r}) shows the kit's solution.")
+    elif shown >= len(hints):
+        print(f"No more hints for {name} (all {len(hints)} shown): dh.reveal({name!r}) shows "
+              "the kit's solution.")
+    else:
+        _HINTS_SHOWN[name] = shown + 1
+        print(f"Hint {shown + 1} of {len(hints)} for {name}: {hints[shown]}")
 
 
 def evaluate(name: str, answer: object = _NOTHING, *, pool=None) -> Verdict:

@@ -137,3 +137,30 @@ def test_a_prediction_is_revealed_only_after_a_check_or_on_request(capsys):
     exercises._CHECKED.discard("three_rank_sum")
     exercises.reveal("three_rank_sum", now=True)
     assert answer in capsys.readouterr().out
+
+
+def test_hints_come_one_at_a_time_and_the_diagnosis_only_after_a_checked_answer(capsys):
+    name = "hint_probe"
+
+    @exercises.exercise_check(name, "prediction", 1, hints=("first", "second"),
+                              diagnosis="the path")
+    def _probe(answer):
+        return [exercises.case("answer", answer, 2)]
+
+    try:
+        exercises.hint(name)
+        exercises.hint(name)
+        exercises.hint(name)
+        out = capsys.readouterr().out.splitlines()
+        assert out[0] == "Hint 1 of 2 for hint_probe: first"
+        assert out[1] == "Hint 2 of 2 for hint_probe: second"
+        assert out[2].startswith("No more hints for hint_probe")
+        exercises.check(name)  # no answer: no diagnosis yet
+        assert "How to find it" not in capsys.readouterr().out
+        exercises.check(name, 1)
+        out = capsys.readouterr().out.splitlines()
+        assert out[0].startswith("FAIL hint_probe") and out[1] == "How to find it: the path"
+    finally:
+        exercises._REGISTRY.pop(name, None)
+        exercises._HINTS_SHOWN.pop(name, None)
+        exercises._CHECKED.discard(name)
