@@ -515,6 +515,17 @@ def uneven_batches(rank: int, world_size: int, batches_per_rank: list[int],
         return loss.item()
 
 
+def load_shard(rank: int, world_size: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of a small regression data set: (features, targets), three features of
+    whole numbers 0-9 and their sum as the target. Rank 1's shard is bad on purpose (what
+    section 6 debugs): the sensor behind its column 1 was stuck and reports 5 on every row."""
+    g = torch.Generator().manual_seed(rank)
+    raw = torch.randint(0, 10, (rows, 3), generator=g).float()
+    if rank == 1:
+        raw[:, 1] = 5.0
+    return raw, raw.sum(1)
+
+
 def never_arrives(rank: int, world_size: int, timeout_s: float = 10) -> None:
     """One all-reduce together; then rank 1 is stuck in Python while rank 0 all-reduces again."""
     with process_group(rank, world_size, verbose=False, timeout_s=timeout_s) as device:
