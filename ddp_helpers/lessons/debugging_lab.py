@@ -482,7 +482,7 @@ def check_train_step(module) -> list[Case]:
     return _per_world_size(one)
 
 
-# ================================================================ 6. seeds: what must agree, what not
+# ================================================================ 6. seeds: agree or differ
 
 
 @exercise_check("seed_differs", "prediction", "x", hints=(
