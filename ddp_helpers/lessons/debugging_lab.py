@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler
@@ -23,6 +22,7 @@ from .. import clean_error_text, launch
 from ..checks import Case, case
 from ..exercises import exercise_check, require
 from ..runtime import process_group
+from ..training import average_gradients
 
 WORLD_SIZES = (2, 3)  # every fix is checked on an even and an odd number of ranks
 LAUNCH_TIMEOUT = 20  # seconds; a mismatched collective is named long before this
@@ -58,18 +58,6 @@ def make_model(seed: int = 0) -> nn.Linear:
     """A Linear(4, 1), seeded: the same weights on every rank."""
     torch.manual_seed(seed)
     return nn.Linear(4, 1)
-
-
-def average_gradients(model: nn.Module) -> None:
-    """The gradients averaged over the ranks, in one all-reduce (what DDP does for you)."""
-    grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def labels(rank: int, world_size: int) -> torch.Tensor:
@@ -136,13 +124,21 @@ def _failure(e: Exception) -> str:
     return clean_error_text(str(e)).split(". The collective")[0].splitlines()[0]
 
 
-def _launched(label: str, runner, n: int, *args) -> tuple[list | None, Case | None]:
-    """runner on n ranks: its records, or a failed case naming what went wrong."""
+class _RunFailed(Exception):
+    """A launch of the learner's fix that raised or hung: its case ends that world size."""
+
+    def __init__(self, failed: Case):
+        super().__init__(failed.detail)
+        self.case = failed
+
+
+def _launched(label: str, runner, n: int, *args) -> list:
+    """runner on n ranks: its records; a rank that raised or a hang the kit named becomes the
+    failed case of this world size (raised as _RunFailed, which _per_world_size reports)."""
     try:
-        return launch(runner, args=(n, *args), nprocs=n, timeout=LAUNCH_TIMEOUT,
-                      output="none"), None
+        return launch(runner, args=(n, *args), nprocs=n, timeout=LAUNCH_TIMEOUT, output="none")
     except Exception as e:  # noqa: BLE001 - a hang named by the kit, or a rank that raised
-        return None, Case(label, False, _failure(e))
+        raise _RunFailed(Case(label, False, _failure(e))) from e
 
 
 def _per_world_size(check_one) -> list[Case]:
@@ -150,7 +146,10 @@ def _per_world_size(check_one) -> list[Case]:
     names the first one, and a second launch of a wrong fix adds only time)."""
     cases: list[Case] = []
     for n in WORLD_SIZES:
-        cases += check_one(n)
+        try:
+            cases += check_one(n)
+        except _RunFailed as failed:
+            cases.append(failed.case)
         if not all(c.ok for c in cases):
             break
     return cases
@@ -201,9 +200,7 @@ def check_report_loss(module) -> list[Case]:
 
     def one(n: int) -> list[Case]:
         label = f"{n} ranks, steps 0..9"
-        runs, failed = _launched(label, _report_loss_run, n, fn)
-        if failed:
-            return [failed]
+        runs = _launched(label, _report_loss_run, n, fn)
         mean = [10.0 - s + (n - 1) / 2 for s in range(2 * LOG_EVERY)]
         expected = [m if s % LOG_EVERY == LOG_EVERY - 1 else None for s, m in enumerate(mean)]
         return [_returns_case(f"{label}: what rank {r} returned", got, expected)
@@ -261,9 +258,7 @@ def check_class_counts(module) -> list[Case]:
     def one(n: int) -> list[Case]:
         classes = NUM_CLASSES if n == 2 else 7
         label = f"{n} ranks, {classes} classes"
-        runs, failed = _launched(label, _class_counts_run, n, fn, classes)
-        if failed:
-            return [failed]
+        runs = _launched(label, _class_counts_run, n, fn, classes)
         expected = [sum(range(1, n + 1))] * (classes - 1) + [1]
         return [case(f"{label}: rank {r}'s counts", got, expected) for r, got in enumerate(runs)]
 
@@ -323,9 +318,7 @@ def check_average_gradients(module) -> list[Case]:
 
     def one(n: int) -> list[Case]:
         label = f"{n} ranks"
-        runs, failed = _launched(label, _average_gradients_run, n, fn)
-        if failed:
-            return [failed]
+        runs = _launched(label, _average_gradients_run, n, fn)
         return [case(f"{label}: rank {r}'s {name} gradient", got, want, rtol=RTOL, atol=ATOL)
                 for r, grads in enumerate(runs)
                 for name, got, want in zip(("weight", "bias"), grads, expected)]
@@ -394,9 +387,7 @@ def check_train_epoch(module) -> list[Case]:
         counts = [len(batches(*shard(*regression_data(EPOCH_SAMPLES[n]), r, n),
                               EPOCH_BATCH[n])) for r in range(n)]
         label = f"{n} ranks with {counts} batches"
-        runs, failed = _launched(label, _train_epoch_run, n, fn)
-        if failed:
-            return [failed]
+        runs = _launched(label, _train_epoch_run, n, fn)
         expected = _reference_epoch(n)
         return [case(f"{label}: rank {r}'s {name} after the epoch", got, want, rtol=RTOL,
                      atol=ATOL)
@@ -467,9 +458,7 @@ def check_train_step(module) -> list[Case]:
 
     def one(n: int) -> list[Case]:
         label = f"{n} ranks, a NaN on rank {n - 1} at step 1"
-        runs, failed = _launched(label, _train_step_run, n, fn, n - 1)
-        if failed:
-            return [failed]
+        runs = _launched(label, _train_step_run, n, fn, n - 1)
         expected = _reference_skipping(n)
         cases = [case(f"{label}: what rank {r} returned at steps 0..3", run["stepped"],
                       [True, False, True, True]) for r, run in enumerate(runs)]
@@ -523,9 +512,7 @@ def check_build(module) -> list[Case]:
     def one(n: int) -> list[Case]:
         seed = 0 if n == 2 else 7
         label = f"{n} ranks, seed {seed}"
-        runs, failed = _launched(label, _build_run, n, fn, seed)
-        if failed:
-            return [failed]
+        runs = _launched(label, _build_run, n, fn, seed)
         cases = [_same_on_every_rank(f"{label}: the model's {name}", [r["params"][i]
                                                                       for r in runs])
                  for i, name in enumerate(("weight", "bias"))]
@@ -585,11 +572,8 @@ def check_sync_buffers(module) -> list[Case]:
 
     def one(n: int) -> list[Case]:
         label = f"{n} ranks, 2 steps"
-        runs, failed = _launched(label, _sync_buffers_run, n, fn)
-        unsynced, failed_too = (None, failed) if failed else _launched(label, _sync_buffers_run,
-                                                                       n, None)
-        if failed or failed_too:
-            return [failed or failed_too]
+        runs = _launched(label, _sync_buffers_run, n, fn)
+        unsynced = _launched(label, _sync_buffers_run, n, None)
         cases = [_same_on_every_rank(f"{label}: BatchNorm's {name}", [r[i] for r in runs])
                  for i, name in enumerate(("running_mean", "running_var"))]
         if not all(c.ok for c in cases):
@@ -647,9 +631,7 @@ def check_epoch_orders(module) -> list[Case]:
     def one(n: int) -> list[Case]:
         samples, seed = (10, 0) if n == 2 else (11, 5)
         label = f"{n} ranks, {samples} samples, seed {seed}"
-        runs, failed = _launched(label, _epoch_orders_run, n, fn, samples, 3, seed)
-        if failed:
-            return [failed]
+        runs = _launched(label, _epoch_orders_run, n, fn, samples, 3, seed)
         return [case(f"{label}: rank {r}'s indices, epochs 0..2", got,
                      _reference_orders(samples, 3, seed, r, n)) for r, got in enumerate(runs)]
 

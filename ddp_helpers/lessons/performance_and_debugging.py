@@ -33,6 +33,7 @@ from ..checks import Case, case
 from ..exercises import exercise_check, require
 from ..runtime import device_ids, gpu_count, process_group
 from ..torchrun import torchrun_agents  # noqa: F401 - the notebook's torchrun
+from ..training import average_gradients
 
 PHASES = ("data", "forward", "backward", "all-reduce wait", "optimizer")
 GRAD_NUMEL = 7850  # the seed model's gradient: what each step of `uneven_batches` all-reduces
@@ -60,18 +61,6 @@ def _batches(rank: int, count: int, batch: int, device: torch.device) -> list:
 
 
 # ---------------------------------------------------------------- 1. one step, phase by phase
-
-
-def average_gradients(model: nn.Module) -> None:
-    """What DDP does for you, in one piece, after backward: flatten, all-reduce, divide, copy."""
-    grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def timed_step(model, opt, batch, laps: timing.Laps, manual: bool, delay_s: float = 0.0):
