@@ -1,6 +1,7 @@
 """Lesson 06's exercises: plausible wrong answers FAIL naming the case, correct ones written
-differently PASS. average_parameters runs on 3 ranks (dividing by 2 is not the mean) whose
-parameters differ, with the collectives it called named on a FAIL, then in a short training;
+differently PASS. average_parameters runs on 3 ranks and on 2 (dividing by a written-in 2 or 3
+is not the mean at the other size) whose parameters differ, with the collectives it called
+named on a FAIL, then in a short training;
 allreduce_calls' answer is the ledger's count of a real run."""
 
 from conftest import solution_edit as edit
@@ -31,6 +32,10 @@ AVERAGE_WRONG = {  # label: (answer, text its FAIL must name)
         "all_reduce #2 float32[3], all_reduce #3 float32[1, 3], all_reduce #4 float32[1]"),
     "divided by 2, the lesson's world size": (
         _loop(LOOP.replace("p /= world_size", "p /= 2")), f"{ONCE} 0:"),
+    "divided by 3, the check's first world size": (
+        _loop(LOOP.replace("p /= world_size", "p /= 3")),
+        "2 ranks, parameters of 15, 3, 3 and 1 numbers, different on every rank: rank 0's "
+        "parameters after one average: at index 0:"),
     "the first parameter only": (
         _loop(LOOP.replace("in model.parameters()", "in list(model.parameters())[:1]")),
         f"{ONCE} 15:"),

@@ -404,13 +404,32 @@ def _averaged_training(average, device: torch.device, rank: int) -> torch.Tensor
 
 @exercise_check("average_parameters", "file")
 def check_average_parameters(module) -> list:
-    """On 3 ranks: parameters that differ on every rank become their mean, the same on every
-    rank, bit for bit; then a short training with DDP's sync off, averaging every 3 steps with
-    the learner's function, keeps the ranks equal after each average and matches the kit's."""
+    """On 3 ranks, then on 2: parameters that differ on every rank become their mean, the same
+    on every rank, bit for bit; then (3 ranks) a short training with DDP's sync off, averaging
+    every 3 steps with the learner's function, keeps the ranks equal after each average and
+    matches the kit's. Two sizes, so that neither a written-in 2 nor a written-in 3 passes."""
     mine = require(module, "average_parameters")
-    results = dh.launch(average_cases, args=(AVERAGE_RANKS, mine), nprocs=AVERAGE_RANKS,
-                        timeout=90, output="none")
-    once = "3 ranks, parameters of 15, 3, 3 and 1 numbers, different on every rank"
+    cases, results = [], {}
+    for n in (AVERAGE_RANKS, 2):
+        results[n] = dh.launch(average_cases, args=(n, mine), nprocs=n, timeout=90,
+                               output="none")
+        cases += _once_cases(results[n], n)
+        if any(not c.ok for c in cases):
+            return cases
+    results = results[AVERAGE_RANKS]
+    train = f"{AVERAGE_STEPS} steps with DDP's sync off, averaging every {AVERAGE_EVERY}"
+    after = [s - 1 for s in range(AVERAGE_EVERY, AVERAGE_STEPS + 1, AVERAGE_EVERY)]
+    cases += [case(f"{train}: rank {r['rank']} == rank 0 after steps "
+                   f"{', '.join(str(s + 1) for s in after)}, bit for bit", r["trained"][after],
+                   results[0]["trained"][after], rtol=0, atol=0) for r in results[1:]]
+    cases += [case(f"{train}: rank {r['rank']}'s parameters after every step, against the "
+                   "kit's average_parameters", r["trained"], r["kit"]) for r in results]
+    return cases
+
+
+def _once_cases(results: list[dict], n: int) -> list:
+    """One average on `n` ranks: each rank's parameters are the mean, and equal rank 0's."""
+    once = f"{n} ranks, parameters of 15, 3, 3 and 1 numbers, different on every rank"
     cases = []
     for r in results:
         label = f"{once}: rank {r['rank']}'s parameters after one average"
@@ -422,16 +441,8 @@ def check_average_parameters(module) -> list:
         cases.append(Case(label, got.ok, got.detail + ("" if got.ok else called)))
     if any(not c.ok for c in cases):
         return cases
-    cases += [case(f"{once}: rank {r['rank']}'s average == rank 0's, bit for bit", r["once"],
-                   results[0]["once"], rtol=0, atol=0) for r in results[1:]]
-    train = f"{AVERAGE_STEPS} steps with DDP's sync off, averaging every {AVERAGE_EVERY}"
-    after = [s - 1 for s in range(AVERAGE_EVERY, AVERAGE_STEPS + 1, AVERAGE_EVERY)]
-    cases += [case(f"{train}: rank {r['rank']} == rank 0 after steps "
-                   f"{', '.join(str(s + 1) for s in after)}, bit for bit", r["trained"][after],
-                   results[0]["trained"][after], rtol=0, atol=0) for r in results[1:]]
-    cases += [case(f"{train}: rank {r['rank']}'s parameters after every step, against the "
-                   "kit's average_parameters", r["trained"], r["kit"]) for r in results]
-    return cases
+    return cases + [case(f"{once}: rank {r['rank']}'s average == rank 0's, bit for bit",
+                         r["once"], results[0]["once"], rtol=0, atol=0) for r in results[1:]]
 
 
 @exercise_check("scaled_lr", "file")
