@@ -36,6 +36,11 @@ AVERAGE_WRONG = {  # label: (answer, text its FAIL must name)
         _loop(LOOP.replace("p /= world_size", "p /= 3")),
         "2 ranks, parameters of 15, 3, 3 and 1 numbers, different on every rank: rank 0's "
         "parameters after one average: at index 0:"),
+    "every entry of state_dict() averaged, buffers too": (
+        _loop("    with torch.no_grad():\n        for t in model.state_dict().values():\n"
+              "            dist.all_reduce(t)\n            t /= world_size\n"),
+        "3 ranks, rank 0: Linear + BatchNorm1d (buffers beside the parameters): your function "
+        "raised RuntimeError"),
     "the first parameter only": (
         _loop(LOOP.replace("in model.parameters()", "in list(model.parameters())[:1]")),
         f"{ONCE} 15:"),
@@ -61,6 +66,10 @@ AVERAGE_WRONG = {  # label: (answer, text its FAIL must name)
 }
 
 AVERAGE_RIGHT = {
+    "the float entries of state_dict() averaged (BatchNorm's statistics too)": _loop(
+        "    with torch.no_grad():\n        for t in model.state_dict().values():\n"
+        "            if t.is_floating_point():\n                dist.all_reduce(t)\n"
+        "                t /= world_size\n"),
     "ReduceOp.AVG (gloo has it too, on 2.9 and 2.14)": _loop(
         LOOP.replace("all_reduce(p)", "all_reduce(p, op=dist.ReduceOp.AVG)")
         .replace("\n            p /= world_size", "")),

@@ -378,7 +378,35 @@ def average_cases(rank: int, world_size: int, average) -> dict:
         out["calls"] = [c.text() for c in ledger.calls]
         if "error" not in out:
             out["kit"] = _averaged_training(average_parameters, device, rank)
+            out["buffers"] = _with_buffers(average, device, rank, world_size)
         return out
+
+
+def buffered_model() -> nn.Module:
+    """Linear(5, 3) + BatchNorm1d(3): buffers beside the parameters (running mean and variance,
+    float; num_batches_tracked, int64), the feature the lesson says needs its own handling."""
+    return nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))
+
+
+def _with_buffers(average, device: torch.device, rank: int, world_size: int) -> dict:
+    """`average` on a model with BatchNorm whose parameters and statistics differ per rank:
+    its parameters after it, the mean expected, and its buffers before and after."""
+    model = buffered_model().to(device)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), rank_values(model, rank)):
+            p.copy_(value)
+    g = torch.Generator().manual_seed(2_000 + rank)
+    model(torch.randn(4, 5, generator=g).to(device))  # train mode: rank's own statistics
+    everyone = [torch.cat([v.double().flatten() for v in rank_values(model, r)])
+                for r in range(world_size)]
+    before = {n: b.detach().clone().cpu() for n, b in model.named_buffers()}
+    try:
+        average(model, world_size)
+    except Exception as e:  # noqa: BLE001 - the learner's error is the result to report
+        return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+    return {"params": flat_params(model), "expected": torch.stack(everyone).mean(0),
+            "before": before,
+            "after": {n: b.detach().clone().cpu() for n, b in model.named_buffers()}}
 
 
 def _averaged_training(average, device: torch.device, rank: int) -> torch.Tensor:
@@ -441,8 +469,26 @@ def _once_cases(results: list[dict], n: int) -> list:
         cases.append(Case(label, got.ok, got.detail + ("" if got.ok else called)))
     if any(not c.ok for c in cases):
         return cases
-    return cases + [case(f"{once}: rank {r['rank']}'s average == rank 0's, bit for bit",
-                         r["once"], results[0]["once"], rtol=0, atol=0) for r in results[1:]]
+    cases += [case(f"{once}: rank {r['rank']}'s average == rank 0's, bit for bit",
+                   r["once"], results[0]["once"], rtol=0, atol=0) for r in results[1:]]
+    return cases + [_buffer_case(r["buffers"], f"{n} ranks, rank {r['rank']}") for r in results]
+
+
+def _buffer_case(got: dict, where: str) -> Case:
+    """A model with BatchNorm: its parameters averaged, and its buffers either left as they
+    were or (the float ones) averaged too; num_batches_tracked, an int64, never divided."""
+    label = f"{where}: Linear + BatchNorm1d (buffers beside the parameters)"
+    if "error" in got:
+        return Case(label, False, f"your function raised {got['error']} (BatchNorm's "
+                                  "num_batches_tracked is an int64 buffer, not a parameter)")
+    params = case(f"{label}: parameters after one average", got["params"], got["expected"])
+    if not params.ok:
+        return params
+    counted = got["after"]["1.num_batches_tracked"].item()
+    if counted != got["before"]["1.num_batches_tracked"].item():
+        return Case(label, False, f"num_batches_tracked became {counted}: it counts batches, "
+                                  "it is not averaged")
+    return Case(label, True)
 
 
 @exercise_check("scaled_lr", "file")
