@@ -32,6 +32,9 @@ BUCKET_WRONG = {  # label: (answer, text its FAIL must name)
     "copied back in reverse order": (
         edit("bucketed_average_gradients", "    for g in grads:\n", "    for g in grads[::-1]:\n"),
         "tiny_model: gradients"),
+    "divided by a written-in 2, not world_size (the pool has 3 ranks)": (
+        edit("bucketed_average_gradients", ONE, "    dist.all_reduce(bucket)\n    bucket /= 2\n"),
+        "tiny_model: gradients: at index"),
     "divided twice": (edit("bucketed_average_gradients", ONE,
                            "    bucket /= world_size\n" + ONE), "tiny_model: gradients: at index"),
     "the first gradient only": (
