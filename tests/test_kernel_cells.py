@@ -118,14 +118,14 @@ def test_stop_says_how_to_get_the_ranks_back_and_every_refusal_agrees(kernel):
     _, kc = kernel
     stopped = run(kc, "%ranks stop")
     said = "".join(m["content"].get("text", "") for m in stopped if m["msg_type"] == "stream")
-    assert "the 2 ranks were stopped" in said and "`%ranks start 2`" in said, said
+    assert "the 2 ranks were stopped" in said and "`%ranks start 2 --backend gloo`" in said, said
     refused = run(kc, "%%ranks\n1\n")
     error = [m["content"] for m in refused if m["msg_type"] == "error"][0]
-    assert "`%ranks start 2`" in error["evalue"], error["evalue"]
+    assert "`%ranks start 2 --backend gloo`" in error["evalue"], error["evalue"]
     checked = run(kc, "import ddp_helpers as dh\ndh.check('naive_all_reduce')")
     said = "".join(m["content"].get("text", "") for m in checked if m["msg_type"] == "stream")
     assert said.startswith("NOT ATTEMPTED naive_all_reduce: no ranks are running: "
-                           "`%ranks start 2`"), said
+                           "`%ranks start 2 --backend gloo`"), said
 
 
 def text_of(messages) -> str:

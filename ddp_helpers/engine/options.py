@@ -60,6 +60,14 @@ def check_launch(fn, args, nprocs, timeout, start_method, output, *, env=None, b
     return extra_env, master_port
 
 
+def start_line(nprocs: int, backend: str = "auto") -> str:
+    """`%ranks start 3 --backend gloo`: the magic that starts ranks like these again. The
+    backend is named if it was: left out, `auto` would start NCCL on a box with a GPU per
+    rank, where a lesson's CPU tensors fail."""
+    named = f" --backend {backend}" if backend != "auto" else ""
+    return f"`%ranks start {nprocs}{named}`"
+
+
 def check_pool(nprocs, backend, timeout, output, env, start_method="forkserver") -> dict:
     """Every refusal Ranks(...) (and `%ranks start`, before it stops running ranks) makes;
     returns the ranks' extra environment, which carries the backend."""

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from ..ledger import Call
 from . import debugging
 from .live_view import LiveView, display_factory
-from .options import check_cell, check_pool, check_push
+from .options import check_cell, check_pool, check_push, start_line
 from .rules.mismatch import unmatched
 from .rules.wait import CellWatch, Evidence, Outcome, give_up_once_settled, wait
 from .sets.base import RankSet
@@ -415,9 +415,10 @@ def forget_current() -> None:
 
 def start_command(pool: Ranks | None = None) -> str:
     """The magic that brings the ranks back, sized as the last pool was: `%ranks start 3`
-    (the one command every message gives, whether the ranks were stopped or never started)."""
+    (the one command every message gives, whether the ranks were stopped or never started),
+    with the backend if one was named (options.start_line)."""
     pool = pool or _current
-    return f"`%ranks start {pool.nprocs if pool is not None else 2}`"
+    return start_line(2) if pool is None else start_line(pool.nprocs, pool.backend)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import weakref
 
+from .options import start_line
 from .sets.attached import AttachedSet
 from .sets.forked import ForkedSet
 from .sets.listener import Listener
@@ -53,7 +54,8 @@ class Fork:
             return
         if pool.stopped_because == "stopped":
             raise LaunchRefused(f"these ranks were stopped: start fresh ones with "
-                                f"`%ranks start {pool.nprocs}` (in Python: pool.restart()).")
+                                f"{start_line(pool.nprocs, pool.backend)} (in Python: "
+                                "pool.restart()).")
         print(f"starting {pool.nprocs} fresh ranks (the previous ones were stopped: "
               f"{pool.stopped_because})", flush=True)
         pool.start()
