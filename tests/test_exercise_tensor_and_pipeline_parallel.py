@@ -240,7 +240,9 @@ def _ones_bubble(p, m):
 
 
 BUBBLE_WRONG = {  # label: (answer, text its FAIL must name)
-    "idle over busy, (p - 1) / m": (lambda p, m: (p - 1) / m, "p=2, m=1: got 1, expected 0.5"),
+    "idle over busy, (p - 1) / m": (lambda p, m: (p - 1) / m,
+                                    "p=2, m=1: got 1, expected 0.5 (yours is (p - 1)/m, the "
+                                    "idle time over the ideal time 2m"),
     "(p - 1) / (m + p)": (lambda p, m: (p - 1) / (m + p), "p=2, m=1: got 0.333333"),
     "p / (m + p - 1)": (lambda p, m: p / (m + p - 1), "p=2, m=1: got 1, expected 0.5"),
     "(p - 1) / (m p)": (lambda p, m: (p - 1) / (m * p), "p=2, m=4: got 0.125, expected 0.2"),
