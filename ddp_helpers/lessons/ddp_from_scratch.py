@@ -184,7 +184,7 @@ def train(version: Version, rank: int, world_size: int, device: torch.device,
             version.sync(state)
             losses.append(loss.item())
 
-        summary = collective_bytes(one_step)  # the Ledger: {op: (calls, bytes this rank sent)}
+        summary = collective_bytes(one_step)  # the Ledger: {op: (calls, bytes handed in)}
         collectives.append({op: n for op, (n, _) in summary.items()})
         sent.append(sum(b for _, b in summary.values()))
         opt.step()
@@ -233,7 +233,7 @@ def describe(records: list[dict]) -> str:
             f"  parameters equal one process on the whole batch, on every rank: "
             f"{yes[all(r['equals_single'] for r in records)]}\n"
             f"  the ranks' parameters are equal bit for bit: {yes[agree]}\n"
-            f"  collectives in each step (rank 0), with the bytes it sent: {per_step}")
+            f"  collectives in each step (rank 0), with the bytes it handed in: {per_step}")
 
 
 def _counts(collectives: dict[str, int]) -> str:
@@ -309,7 +309,7 @@ def describe_collectives(times: list[dict], bucket_mb: float) -> str:
     lines = [f"collectives in one step of the large TiedNet (buckets of {bucket_mb:g} MiB), "
              f"the same on every rank: {'yes' if same else 'NO'}"]
     lines += [f"  {name:<11} {_counts(times[0][name]['collectives']):<16}"
-              f"{times[0][name]['bytes']:>10,} bytes sent" for name in times[0]]
+              f"{times[0][name]['bytes']:>10,} bytes handed in" for name in times[0]]
     return "\n".join(lines)
 
 
