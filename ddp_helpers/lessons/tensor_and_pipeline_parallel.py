@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..checks import Case, case
 from ..exercises import NotAttempted, exercise_check, require, solution_module
@@ -165,6 +167,215 @@ def describe_parameter(p) -> str:
     """A DTensor parameter in one line: global shape, placements, this rank's local shape."""
     return (f"{type(p).__name__}: global {tuple(p.shape)}, placements {p.placements}, "
             f"local shard {tuple(p.to_local().shape)}")
+
+
+# ---------------------------------------------------------------- attention split by heads
+
+SEQ_BATCH, SEQ_LEN, SEQ_D, HEADS = 2, 6, 24, 6  # 6 positions and 6 heads: 2 or 3 ranks alike
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention without a mask: q, k, v and the output projection o are
+    Linear(d, d); head j uses features j·d/heads to (j + 1)·d/heads of q, k and v."""
+
+    def __init__(self, d: int = SEQ_D, heads: int = HEADS):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(attend(self.q(x), self.k(x), self.v(x), self.heads))
+
+
+def attention_layer(seed: int = 0) -> SelfAttention:
+    """The attention layer, its weights from `seed` (the same on every rank)."""
+    torch.manual_seed(seed)
+    return SelfAttention()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """softmax(q kᵀ / √head_dim) v for each of `heads` heads, side by side: (b, s, heads x
+    head_dim) in and out. Each head reads only its own features of q, k and v, so a rank
+    holding whole heads needs nothing from the others."""
+    b, s, width = q.shape
+    split = [t.reshape(b, s, heads, width // heads).transpose(1, 2) for t in (q, k, v)]
+    scores = split[0] @ split[1].transpose(-1, -2) / (width // heads) ** 0.5
+    return (scores.softmax(-1) @ split[2]).transpose(1, 2).reshape(b, s, width)
+
+
+def sequence_input(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (batch, sequence, features) input and the gradient that flows back into the layer's
+    output, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (SEQ_BATCH, SEQ_LEN, SEQ_D)
+    return torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+
+
+def compare_attention(got: dict[str, torch.Tensor], rank: int, world_size: int) -> str:
+    """This rank's output and gradients against the unsplit layer's: q, k, v's weight rows and
+    biases for its heads, o's weight columns for the same features, x, the output and o's
+    bias whole."""
+    layer = attention_layer(0)
+    x, dy = sequence_input()
+    x.requires_grad_(True)
+    out = layer(x)
+    out.backward(dy)
+    want = {"out": out.detach(), "x": x.grad, "wo": layer.o.weight.grad.chunk(world_size, 1)[rank],
+            "bo": layer.o.bias.grad}
+    for name in "qkv":
+        lin = getattr(layer, name)
+        want[f"w{name}"] = lin.weight.grad.chunk(world_size, 0)[rank]
+        want[f"b{name}"] = lin.bias.grad.chunk(world_size, 0)[rank]
+    oks = [k for k, v in got.items() if case(k, v, want[k], RTOL, ATOL).ok]
+    bad = [k for k in got if k not in oks]
+    return (f"{', '.join(oks)} equal the unsplit layer's within rtol={RTOL:g}, atol={ATOL:g}"
+            + (f"; NOT equal: {', '.join(bad)}" if bad else ""))
+
+
+def _split_attention(layer: SelfAttention, x: torch.Tensor, rank: int, world_size: int):
+    """The layer by heads, as the lesson's cell types it: f, my heads' q, k, v, g."""
+    mine = [(lin.weight.chunk(world_size, 0)[rank], lin.bias.chunk(world_size, 0)[rank])
+            for lin in (layer.q, layer.k, layer.v)]
+    x = copy_to_ranks(x)
+    q, k, v = (F.linear(x, w, b) for w, b in mine)
+    ctx = attend(q, k, v, layer.heads // world_size)
+    return sum_over_ranks(F.linear(ctx, layer.o.weight.chunk(world_size, 1)[rank])) + layer.o.bias
+
+
+def _split_mlp(block: nn.Sequential, x: torch.Tensor, rank: int, world_size: int):
+    """Megatron's MLP (section 1), on any leading dimensions."""
+    w1, b1 = block[0].weight.chunk(world_size, 0)[rank], block[0].bias.chunk(world_size)[rank]
+    h = F.gelu(F.linear(copy_to_ranks(x), w1, b1))
+    return sum_over_ranks(F.linear(h, block[2].weight.chunk(world_size, 1)[rank])) + block[2].bias
+
+
+def layer_collectives(rank: int, world_size: int, device: torch.device | None = None) -> str:
+    """One transformer layer split like Megatron (attention by heads, then the MLP, each
+    with its residual), forward and backward on (b, s, h) = (2, 6, 24): the collectives the
+    Ledger records, against 2 all-reduces of b·s·h floats each way."""
+    torch.manual_seed(0)
+    attn = attention_layer(0).to(device)
+    mlp = mlp_block(0, d=SEQ_D, hidden=4 * SEQ_D).to(device)
+    x, dy = (t.to(device) for t in sequence_input())
+    x.requires_grad_(True)
+    with CollectiveLog() as fwd:
+        h = x + _split_attention(attn, x, rank, world_size)
+        y = h + _split_mlp(mlp, h, rank, world_size)
+    with CollectiveLog() as bwd:
+        y.backward(dy)
+    bsh = SEQ_BATCH * SEQ_LEN * SEQ_D
+    return (f"forward: {_calls(fwd.summary())}; backward: {_calls(bwd.summary())}; "
+            f"2 x b·s·h = 2 x {SEQ_BATCH}·{SEQ_LEN}·{SEQ_D} floats = 2 x {4 * bsh:,} B each way")
+
+
+def dropout_masks(outside: torch.Tensor, inside: torch.Tensor, shared: torch.Tensor) -> str:
+    """Dropout masks across the ranks: `outside` on a replicated tensor (after g) must be the
+    same on every rank; `inside` (on this rank's shard, a per-rank seed) and `shared` (the
+    same, but every rank seeded alike) are compared too."""
+    world_size = dist.get_world_size()
+
+    def equal_everywhere(t: torch.Tensor) -> bool:
+        everyone = [torch.empty_like(t) for _ in range(world_size)]
+        dist.all_gather(everyone, t.contiguous())
+        return all(torch.equal(e, everyone[0]) for e in everyone)
+
+    return (f"outside (replicated, one seed): the same mask on every rank: "
+            f"{equal_everywhere(outside == 0)}; inside (my shard, seed + rank): "
+            f"{equal_everywhere(inside == 0)}; inside with one seed for all: "
+            f"{equal_everywhere(shared == 0)}")
+
+
+# ---------------------------------------------------------------- sequence parallelism
+
+
+def norm_mlp_block(seed: int = 0) -> nn.Sequential:
+    """LayerNorm(d) -> Linear(d, 4d) -> GELU -> Linear(4d, d): the MLP half of a transformer
+    layer, with the norm that tensor parallelism leaves whole on every rank (d = 24)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.LayerNorm(SEQ_D), nn.Linear(SEQ_D, 4 * SEQ_D), nn.GELU(),
+                         nn.Linear(4 * SEQ_D, SEQ_D))
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def compare_sequence_parallel(block: nn.Module, x_shard: torch.Tensor, y: torch.Tensor,
+                              whole_norm_grad: torch.Tensor, rank: int,
+                              world_size: int) -> str:
+    """This rank's positions of the output and of dL/dx, its shards of the Linears' weight
+    gradients, and the LayerNorm's weight gradient (its local part, and the whole one that
+    full_tensor() summed), against the unsplit block on the whole sequence."""
+    ref = norm_mlp_block(0)
+    x, dy = sequence_input()
+    x.requires_grad_(True)
+    out = ref(x)
+    out.backward(dy)
+    mine = lambda t: t.tensor_split(world_size, dim=1)[rank]  # noqa: E731 - my positions
+    pairs = {"y (my positions)": (_local(y), mine(out.detach())),
+             "dL/dx (my positions)": (x_shard.grad, mine(x.grad)),
+             "w1 (my rows)": (_local(block[1].weight.grad),
+                              ref[1].weight.grad.chunk(world_size, 0)[rank]),
+             "w2 (my columns)": (_local(block[3].weight.grad),
+                                 ref[3].weight.grad.chunk(world_size, 1)[rank]),
+             "LayerNorm weight, local": (_local(block[0].weight.grad), ref[0].weight.grad),
+             "LayerNorm weight, full_tensor()": (whole_norm_grad, ref[0].weight.grad)}
+    return "; ".join(f"{k}: {case(k, a, b, RTOL, 1e-5).ok}" for k, (a, b) in pairs.items())
+
+
+def sp_memory(rank: int, world_size: int, device: torch.device | None = None) -> dict:
+    """Activation bytes saved for backward by norm_mlp_block on this rank: unsplit, with TP
+    alone (ColwiseParallel, RowwiseParallel) and with TP + SequenceParallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh(torch.device(device or "cpu").type, (world_size,))
+    x, _ = (t.to(device) for t in sequence_input())
+    plans = {"unsplit": None,
+             "TP": {"1": ColwiseParallel(), "3": RowwiseParallel()},
+             "TP + SP": {"0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
+                         "3": RowwiseParallel(output_layouts=Shard(1))}}
+    out = {}
+    for name, plan in plans.items():
+        block = norm_mlp_block(0).to(device)
+        if plan:
+            block = parallelize_module(block, mesh, plan)
+        inp = x.tensor_split(world_size, dim=1)[rank] if name == "TP + SP" else x
+        with SavedActivations(block.parameters()) as saved:
+            block(inp.clone().requires_grad_(True))
+        out[name] = saved.peak
+    return out
+
+
+def sp_formulas(world_size: int) -> dict[str, int]:
+    """fp32 bytes saved for backward, (b, s, h) = (2, 6, 24), 4h hidden, N ranks. LayerNorm
+    keeps its input (b·s·h) and a mean and a 1/std per position (2·b·s); the first Linear its
+    input (b·s·h); GELU and the second Linear the hidden activations (2 x b·s·4h/N with TP).
+    Sequence parallelism divides the LayerNorm's by N; DTensor's first Linear keeps the
+    all-gathered input, whole."""
+    n, bs, h = world_size, SEQ_BATCH * SEQ_LEN, SEQ_D
+    hidden = 2 * bs * 4 * h
+    return {"unsplit": 4 * (2 * bs * h + 2 * bs + hidden),
+            "TP": 4 * (2 * bs * h + 2 * bs + hidden // n),
+            "TP + SP": 4 * (bs * h // n + 2 * bs // n + bs * h + hidden // n)}
+
+
+def describe_sp_memory(measured: list[dict], world_size: int) -> str:
+    """The activation bytes per rank, measured on every rank, against sp_formulas."""
+    want = sp_formulas(world_size)
+    lines = [f"activations saved for backward, LayerNorm + MLP, (b, s, h) = ({SEQ_BATCH}, "
+             f"{SEQ_LEN}, {SEQ_D}), {world_size} ranks: bytes per rank [formula]"]
+    for name, formula in want.items():
+        got = {m[name] for m in measured}
+        value = f"{got.pop():,}" if len(got) == 1 else f"differs by rank: {sorted(got)}"
+        lines.append(f"  {name:<8} {value:>7} [{formula:,}]")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- memory
@@ -746,29 +957,100 @@ def _everyone_ok(ok: bool, device: torch.device | None) -> bool:
     return bool(flag.item())
 
 
+class _CollectivesAutogradMisses(TorchDispatchMode):
+    """Collectives that autograd cannot see: called with grad mode on, on a tensor that
+    requires a gradient (a bare dist.all_reduce of the product). Inside an autograd.Function's
+    forward, grad mode is off, so g's all-reduce is not recorded. c10d's all_reduce_ has no
+    autograd formula: torch's fallback passes the gradient through and warns that it "may lead
+    to silently incorrect behavior" (torch/csrc/autograd/autograd_not_implemented_fallback.cpp)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if (getattr(func, "namespace", "") in ("c10d", "_c10d_functional")
+                and torch.is_grad_enabled()
+                and any(isinstance(t, torch.Tensor) and t.requires_grad
+                        for t in tree_leaves((args, kwargs)))):
+            self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def _row_inputs(batch: int, hidden: int, out: int, rank: int, world_size: int, device):
+    """The whole h, W, b and dL/dy of one case (the same on every rank: a fixed seed), and
+    this rank's shards of h and W as leaves that want gradients, with a leaf copy of b."""
+    g = torch.Generator().manual_seed(100 + hidden)
+    h, w, b, dy = (torch.randn(*shape, generator=g) for shape in
+                   ((batch, hidden), (out, hidden), (out,), (batch, out)))
+    mine = [t.tensor_split(world_size, dim=1)[rank].clone().to(device).requires_grad_()
+            for t in (h, w)] + [b.clone().to(device).requires_grad_()]
+    return (h, w, b, dy), mine
+
+
+def _row_grads(label: str, mine: list, whole: tuple, rank: int, world_size: int) -> list[Case]:
+    """This rank's gradients against the unsplit layer's: its columns of dL/dh and dL/dW, and
+    the whole dL/db (a replicated parameter: every rank's copy must get all of it)."""
+    h, w, _, dy = whole
+    want = [(dy @ w).tensor_split(world_size, dim=1)[rank],
+            (dy.T @ h).tensor_split(world_size, dim=1)[rank], dy.sum(0)]
+    return [Case(f"{label}: the gradient of {name}", False, "got None: no gradient reaches it "
+                 "(a .detach(), torch.no_grad(), or a rank that does not use it), so it "
+                 "cannot train") if t.grad is None else
+            case(f"{label}: the gradient of {name}", t.grad, ref, ROW_RTOL, ROW_ATOL)
+            for name, t, ref in zip(("h_shard", "weight_shard", "bias"), mine, want)]
+
+
+def _row_case(fn, batch: int, hidden: int, out: int, device) -> list[Case]:
+    """One case on this rank: the output, the forward's collectives, then backward from the
+    same dL/dy on every rank: no collective (g passes it through), no collective autograd
+    cannot see, and the gradients of the unsplit layer."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    whole, mine = _row_inputs(batch, hidden, out, rank, world_size, device)
+    h, w, b, dy = whole
+    label = f"batch {batch}, {hidden} hidden features over {world_size} ranks"
+    with CollectiveLog() as log, _CollectivesAutogradMisses() as unseen:
+        y = fn(*mine)  # (raised on one rank alone, the others wait in their collective: the
+    cases = [case(f"{label}: the output", y, h @ w.T + b, ROW_RTOL, ROW_ATOL)]  # kit names it)
+    want = [("all_reduce", batch * out * 4)]
+    got = [(c.op, c.nbytes) for c in log.calls]
+    cases.append(Case(f"{label}: the collectives", got == want, "" if got == want else
+                      f"got {', '.join(c.text() for c in log.calls) or 'none'}, expected "
+                      f"one all_reduce of the output's {batch * out * 4} B"))
+    if not isinstance(y, torch.Tensor) or y.grad_fn is None:
+        return cases + [Case(f"{label}: the output carries a gradient", False,
+                             "it has no grad_fn (.detach() or torch.no_grad() cut autograd "
+                             "off): backward cannot reach the weight, so the layer cannot "
+                             "train")]
+    with CollectiveLog() as back:
+        y.backward(dy.to(device))
+    cases.append(Case(f"{label}: a sum autograd knows how to differentiate", not unseen.ops,
+                      "" if not unseen.ops else
+                      f"your {unseen.ops[0]} ran on a tensor that requires a gradient, outside "
+                      "an autograd.Function: autograd has no formula for it (for c10d's, "
+                      "torch's fallback passes the gradient through and warns that this may be "
+                      "silently incorrect); put the sum in an autograd.Function, g"))
+    cases.append(Case(f"{label}: backward's collectives", not back.calls,
+                      "" if not back.calls else
+                      f"got {', '.join(c.text() for c in back.calls)}, expected none: every "
+                      "rank already holds the whole dL/dy"))
+    return cases + _row_grads(label, mine, whole, rank, world_size)
+
+
 @exercise_check("row_parallel", "ranks")
 def check_row_parallel(namespace: dict) -> list[Case]:
     """row_parallel_forward on this rank's columns (48 hidden features, then 7, which no world
-    size above 1 divides): the whole output on every rank, and exactly one all-reduce of the
-    output's bytes, recorded by the Ledger where torch dispatches collectives (an import alias
-    or a functional collective counts the same; an all_gather or a gather to rank 0 is named)."""
+    size above 1 divides): the whole output on every rank, exactly one all-reduce of the
+    output's bytes in forward, recorded by the Ledger where torch dispatches collectives (an
+    import alias counts the same; an all_gather or a gather to rank 0 is named); and it must
+    train: backward from dL/dy gives this rank's share of the unsplit layer's gradients, with
+    no collective, and not through a collective autograd cannot see (a bare all_reduce).
+    The world size and rank are torch's, so the check holds at any world size."""
     fn = require(namespace, "row_parallel_forward")
-    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    device = namespace.get("device")
     cases: list[Case] = []
     for batch, hidden, out in ROW_CASES:
-        g = torch.Generator().manual_seed(100 + hidden)
-        h, w, b = (torch.randn(*shape, generator=g) for shape in
-                   ((batch, hidden), (out, hidden), (out,)))
-        shards = [t.tensor_split(world_size, dim=1)[rank].clone().to(device) for t in (h, w)]
-        label = f"batch {batch}, {hidden} hidden features over {world_size} ranks"
-        with CollectiveLog() as log:  # (raised on one rank alone, the others wait in their
-            y = fn(*shards, b.clone().to(device))  # collective: the kit names the mismatch)
-        cases.append(case(f"{label}: the output", y, h @ w.T + b, ROW_RTOL, ROW_ATOL))
-        want = [("all_reduce", batch * out * 4)]
-        got = [(c.op, c.nbytes) for c in log.calls]
-        cases.append(Case(f"{label}: the collectives", got == want, "" if got == want else
-                          f"got {', '.join(c.text() for c in log.calls) or 'none'}, expected "
-                          f"one all_reduce of the output's {batch * out * 4} B"))
+        cases += _row_case(fn, batch, hidden, out, device)
         if not _everyone_ok(all(c.ok for c in cases), device):
             break  # a wrong collective could stall on the next case's uneven shards
     return cases
