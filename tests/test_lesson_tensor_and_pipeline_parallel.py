@@ -3,6 +3,9 @@
 per rank against the formulas). Its three exercises' checks, wrong answers and right ones, are
 tested in tests/test_exercise_tensor_and_pipeline_parallel.py."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ import ddp_helpers as dh
 from ddp_helpers.lessons import tensor_and_pipeline_parallel as lesson
 
 SETUP = "import torch.nn.functional as F\n" \
+        "import torch\n" \
         "from ddp_helpers.lessons import tensor_and_pipeline_parallel as lesson"
 
 
@@ -203,3 +207,55 @@ def test_a_gloo_send_waits_for_the_matching_recv(pool):
     assert pool.run("lesson.send_waits_for_recv(rank)") == [
         "my send of 4 bytes finished before rank 1 posted its recv: False",
         "posted my recv only after the barrier"]
+
+
+# ------------------------------------------- the notebook's attention and sequence-parallel cells
+
+NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "11_tensor_and_pipeline_parallel.ipynb"
+
+
+def notebook_cell(first_line: str) -> str:
+    """The body of the notebook's %%ranks cell whose code starts with `first_line` (after the
+    magic's line), so that these tests run what the learner runs."""
+    for c in json.loads(NOTEBOOK.read_text())["cells"]:
+        source = "".join(c["source"])
+        if c["cell_type"] == "code" and source.startswith("%%ranks"):
+            body = source.split("\n", 1)[1]
+            if body.startswith(first_line):
+                return body
+    raise AssertionError(f"no %%ranks cell starts with {first_line!r}")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_attention_by_heads_equals_the_layer_and_a_layer_sends_two_all_reduces_each_way(
+        n, pool, pool3):
+    p = {2: pool, 3: pool3}[n]
+    bsh = 4 * lesson.SEQ_BATCH * lesson.SEQ_LEN * lesson.SEQ_D
+    assert p.run(notebook_cell("attn = lesson.attention_layer")) == \
+        [(f"all_reduce x1 ({bsh:,} B)",) * 2] * n
+    for line in p.run(notebook_cell("lesson.compare_attention(")):
+        assert line.startswith("out, x, wq, bq, wk, bk, wv, bv, wo, bo equal") and "NOT" not in line
+    assert p.run(notebook_cell("lesson.layer_collectives(")) == [
+        f"forward: all_reduce x2 of {2 * bsh:,} B; backward: all_reduce x2 of {2 * bsh:,} B; "
+        f"2 x b·s·h = 2 x 2·6·24 floats = 2 x {bsh:,} B each way"] * n
+    assert p.run(notebook_cell("ones = torch.ones(")) == [
+        "outside (replicated, one seed): the same mask on every rank: True; inside (my shard, "
+        "seed + rank): False; inside with one seed for all: True"] * n
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sequence_parallel_gathers_and_scatters_and_equals_the_block(n, pool, pool3):
+    p = {2: pool, 3: pool3}[n]
+    p.run(notebook_cell("from torch.distributed.device_mesh import init_device_mesh"))
+    bsh = 4 * lesson.SEQ_BATCH * lesson.SEQ_LEN * lesson.SEQ_D
+    calls = f"all_gather x1 ({bsh // n:,} B), reduce_scatter x1 ({bsh:,} B)"
+    assert p.run(notebook_cell("from torch.distributed.tensor import Shard")) == [(calls,) * 2] * n
+    for placements, summed, compared in p.run(notebook_cell("g_norm = sp_block[0]")):
+        assert str(placements) == "(Partial(sum),)"
+        assert summed == f"all_reduce x1 ({4 * lesson.SEQ_D} B)"
+        assert compared == ("y (my positions): True; dL/dx (my positions): True; w1 (my rows): "
+                            "True; w2 (my columns): True; LayerNorm weight, local: False; "
+                            "LayerNorm weight, full_tensor(): True")
+    measured = p.run("lesson.sp_memory(rank, world_size, device)")
+    assert measured == [lesson.sp_formulas(n)] * n
+    assert measured[0]["TP + SP"] < measured[0]["TP"] < measured[0]["unsplit"]
