@@ -55,19 +55,23 @@ ALL_EQUAL = "; ".join(f"{k}: equal within rtol=1e-05, atol=1e-06: True"
                       for k in ("y", "x", "w1", "b1", "w2", "b2"))
 
 
-def test_megatron_split_by_hand_sends_one_all_reduce_each_way_and_equals_the_block(pool):
-    for fwd, bwd, equal in pool.run(BY_HAND):
+@pytest.mark.parametrize("n", [2, 3])
+def test_megatron_split_by_hand_sends_one_all_reduce_each_way_and_equals_the_block(
+        n, pool, pool3):
+    for fwd, bwd, equal in {2: pool, 3: pool3}[n].run(BY_HAND):
         assert fwd == {"all_reduce": (1, lesson.BATCH * lesson.D * 4)} == bwd
         assert equal == ALL_EQUAL
 
 
-def test_rows_first_sends_an_all_reduce_of_the_hidden_layer_and_an_all_gather(pool):
-    got = pool.run("x, _ = lesson.block_input()\nwith lesson.CollectiveLog() as log:\n"
-                   "    y = lesson.rows_first_forward(lesson.mlp_block(0), x, rank, world_size)\n"
-                   "log.summary(), lesson.compare_with_unsplit({'y': y}, rank, world_size)")
+@pytest.mark.parametrize("n", [2, 3])
+def test_rows_first_sends_an_all_reduce_of_the_hidden_layer_and_an_all_gather(n, pool, pool3):
+    got = {2: pool, 3: pool3}[n].run(
+        "x, _ = lesson.block_input()\nwith lesson.CollectiveLog() as log:\n"
+        "    y = lesson.rows_first_forward(lesson.mlp_block(0), x, rank, world_size)\n"
+        "log.summary(), lesson.compare_with_unsplit({'y': y}, rank, world_size)")
     for summary, equal in got:
         assert summary == {"all_reduce": (1, lesson.BATCH * lesson.HIDDEN * 4),
-                           "all_gather": (1, lesson.BATCH * lesson.D * 4 // 2)}
+                           "all_gather": (1, lesson.BATCH * -(-lesson.D // n) * 4)}  # padded
         assert equal == "y: equal within rtol=1e-05, atol=1e-06: True"
 
 
@@ -167,7 +171,7 @@ def test_torch_pipelining_sends_what_the_hand_written_gpipe_sends(pool):
     status = pool.run("lesson.pipelining_status()")
     if status[0] != "runs":  # an older torch without the gloo fix: said so, and not run
         assert any(why in status[0] for why in ("pytorch#132644", "no torch.distributed.pipelining",
-                                                "the kit runs it from torch 2.14"))
+                                                "the kit runs them from torch 2.14"))
         return
     records = pool.run("lesson.torch_gpipe(rank, world_size, device)")
     for r in records:
@@ -259,3 +263,39 @@ def test_sequence_parallel_gathers_and_scatters_and_equals_the_block(n, pool, po
     measured = p.run("lesson.sp_memory(rank, world_size, device)")
     assert measured == [lesson.sp_formulas(n)] * n
     assert measured[0]["TP + SP"] < measured[0]["TP"] < measured[0]["unsplit"]
+
+
+def test_the_notebooks_torch_schedules_run_or_say_why_not(pool):
+    pool.run("x_all, target_all = (t.to(device) for t in lesson.pipeline_batch())")
+    pool.run(notebook_cell("from torch.distributed.pipelining import PipelineStage"))
+    text = lesson.describe_torch_pipelining(pool.run("torch_pp"))
+    if pool.run("lesson.pipelining_status()")[0] != "runs":  # the floor: the reason, sourced
+        assert text.startswith("not run on torch ") and "_get_init_p2p_neighbors_ops" in text
+        return
+    step = "second step recv x4 of 4,096 B, send x4 of 4,096 B"
+    for name in ("ScheduleGPipe", "Schedule1F1B"):
+        assert f"{name}, 4 micro-batches: gradients equal the unsplit model's on every rank: " \
+               "yes" in text
+    assert text.count(step) == 4, text
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 1, 4), (2, 2, 4), (3, 2, 6), (4, 2, 8), (4, 4, 8),
+                                   (2, 3, 2)])
+def test_interleaved_1f1b_counted_in_slots_is_the_formula(p, v, m):
+    c = lesson.interleaved_counts(p, v, m)
+    assert c["bubble"] == pytest.approx((p - 1) / (v * m))
+    assert c["sends"] == 2 * m * (p * v - 1)
+    orders = [lesson.interleaved_order(r, p, v, m) for r in range(p)]
+    for order in orders:  # every chunk's forward and backward of every micro-batch, once
+        assert sorted(order) == sorted((k, c_, i) for k in "FB" for c_ in range(v)
+                                       for i in range(m))
+    if v == 1:  # one chunk per rank: the same bubble as the lesson's 1F1B over the ideal time
+        ones = lesson.simulate([lesson.solution_module("one_f_one_b").one_f_one_b(s, p, m)
+                                for s in range(p)])
+        span = max(start + 1 for ops in ones for *_, start in ops)
+        assert (span - 2 * m) / (2 * m) == pytest.approx(c["bubble"])
+
+
+def test_interleaved_needs_m_a_multiple_of_p():
+    with pytest.raises(ValueError, match="multiple of p"):
+        lesson.interleaved_order(0, 2, 2, 3)

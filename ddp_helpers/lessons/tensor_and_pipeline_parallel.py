@@ -133,16 +133,18 @@ def rows_first_forward(block: nn.Sequential, x: torch.Tensor, rank: int,
     """The other split: W1 by rows of A = W1ᵀ (its input features), W2 by columns. GELU needs
     the whole pre-activation, so the first layer's partial sums are all-reduced before it, and
     the second layer leaves each rank a slice of the output, which must be all-gathered."""
-    w1 = block[0].weight.chunk(world_size, dim=1)[rank]  # my input features of layer 1
-    x_mine = x.chunk(world_size, dim=1)[rank]  # ... and the same columns of x (no message)
+    w1 = block[0].weight.tensor_split(world_size, dim=1)[rank]  # my input features of layer 1
+    x_mine = x.tensor_split(world_size, dim=1)[rank]  # ... and the same columns of x (no message)
     pre = x_mine @ w1.T
     dist.all_reduce(pre)  # the whole (batch x hidden) pre-activation: 4x the output's bytes
     h = F.gelu(pre + block[0].bias)
-    w2 = block[2].weight.chunk(world_size, dim=0)[rank]  # my output features of layer 2
-    y_mine = h @ w2.T + block[2].bias.chunk(world_size)[rank]
-    pieces = [torch.empty_like(y_mine) for _ in range(world_size)]
-    dist.all_gather(pieces, y_mine)
-    return torch.cat(pieces, dim=1)
+    w2 = block[2].weight.tensor_split(world_size, dim=0)[rank]  # my output features of layer 2
+    y_mine = h @ w2.T + block[2].bias.tensor_split(world_size)[rank]
+    # all_gather wants equal shapes: pad to the widest share (16 features over 3: 6, 5, 5)
+    widths = [len(t) for t in torch.arange(block[2].out_features).tensor_split(world_size)]
+    pieces = [y_mine.new_empty(len(y_mine), widths[0]) for _ in range(world_size)]
+    dist.all_gather(pieces, F.pad(y_mine, (0, widths[0] - y_mine.shape[1])))
+    return torch.cat([piece[:, :w] for piece, w in zip(pieces, widths)], dim=1)
 
 
 # ---------------------------------------------------------------- tensor parallel with DTensor
@@ -768,6 +770,101 @@ def predicted_bubbles(fn: Callable | None, runs: list[list[dict]]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- interleaved 1F1B, in slots
+
+
+def interleaved_order(rank: int, p: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    """Rank `rank`'s order in Megatron-LM's interleaved 1F1B, with v model chunks per rank
+    (chunk c of rank r is stage c·p + r of p·v) and m micro-batches, a multiple of p: forwards
+    go through the chunks in groups of p micro-batches (chunk 0 for micro-batches 0..p-1, then
+    chunk 1 for the same, ...), backwards the same with the chunks reversed; a warm-up of
+    (p - r - 1)·2 + (v - 1)·p forwards, then one forward and one backward, then the backwards
+    left. [(kind, chunk, micro-batch)]."""
+    if m % p:
+        raise ValueError(f"interleaved 1F1B needs m a multiple of p: m={m}, p={p}")
+    total = m * v
+
+    def op(kind: str, k: int) -> tuple[str, int, int]:
+        group, within = divmod(k, p * v)
+        chunk = within // p if kind == "F" else v - 1 - within // p
+        return kind, chunk, group * p + within % p
+
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    order = [op("F", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [op("F", warmup + k), op("B", k)]
+    return order + [op("B", k) for k in range(total - warmup, total)]
+
+
+def simulate_interleaved(p: int, v: int, m: int) -> list[list[tuple[str, int, int, int]]]:
+    """Each rank's ops in interleaved 1F1B with the slot each starts in, every forward and
+    every backward of one chunk taking one slot (a chunk is 1/v of the rank's layers): an op
+    starts once its rank is free and its input has arrived (a forward needs the previous
+    stage's forward of that micro-batch, a backward the next stage's backward and its own
+    forward). Raises ValueError if the orders deadlock."""
+    orders = [interleaved_order(r, p, v, m) for r in range(p)]
+    last = p * v - 1
+    end: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> slot it ends in
+    nxt, free = [0] * p, [0] * p
+    out: list[list[tuple[str, int, int, int]]] = [[] for _ in range(p)]
+    while any(nxt[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while nxt[r] < len(orders[r]):
+                kind, chunk, i = orders[r][nxt[r]]
+                s = chunk * p + r
+                if kind == "F":
+                    needs = [("F", s - 1, i)] if s > 0 else []
+                else:
+                    needs = [("F", s, i)] + ([("B", s + 1, i)] if s < last else [])
+                if any(n not in end for n in needs):
+                    break
+                start = max([free[r]] + [end[n] for n in needs])
+                out[r].append((kind, chunk, i, start))
+                end[(kind, s, i)] = free[r] = start + 1
+                nxt[r] += 1
+                moved = True
+        if not moved:
+            raise ValueError("the interleaved orders deadlock")
+    return out
+
+
+def interleaved_counts(p: int, v: int, m: int) -> dict:
+    """From the slot simulation: the bubble over the ideal time (idle slots per rank over its
+    2·m·v busy ones) beside (p - 1)/(v·m), and the activations and gradients sent per step,
+    counted from the ops (a forward sends unless on the last stage, a backward unless on the
+    first: 2·m·(p·v - 1), against 2·m·(p - 1) without interleaving)."""
+    slots = simulate_interleaved(p, v, m)
+    span = max(start + 1 for ops in slots for *_, start in ops)
+    busy = 2 * m * v
+    sends = sum(1 for r, ops in enumerate(slots) for kind, chunk, _, _ in ops
+                if (kind == "F" and chunk * p + r < p * v - 1) or (kind == "B" and chunk * p + r))
+    return {"p": p, "v": v, "m": m, "bubble": (span - busy) / busy,
+            "formula": (p - 1) / (v * m), "sends": sends}
+
+
+def describe_interleaved(p: int = 2, v: int = 2, m: int = 4,
+                         cases: tuple = ((2, 1, 4), (2, 2, 4), (4, 1, 8), (4, 2, 8),
+                                         (4, 4, 8))) -> str:
+    """Interleaved 1F1B in slots: one row per rank for (p, v, m), each op as its kind (F or B),
+    micro-batch and chunk (a, b, ...), "..." where the rank is idle; then, for each case, the
+    bubble over the ideal time counted against (p - 1)/(v·m), and the sends per step."""
+    slots = simulate_interleaved(p, v, m)
+    span = max(start + 1 for ops in slots for *_, start in ops)
+    lines = [f"interleaved 1F1B, p={p} ranks, v={v} chunks each, m={m} micro-batches; one "
+             "slot is one chunk's forward or backward"]
+    for r, ops in enumerate(slots):
+        row = ["..."] * span
+        for kind, chunk, i, start in ops:
+            row[start] = f"{kind}{i}{'abcdefgh'[chunk]}"
+        lines.append(f"  rank {r}: " + " ".join(row))
+    lines.append(f"{'p':>3}{'v':>3}{'m':>3}  bubble / ideal (counted)  (p-1)/(v·m)  sends per step")
+    for cp, cv, cm in cases:
+        c = interleaved_counts(cp, cv, cm)
+        lines.append(f"{cp:>3}{cv:>3}{cm:>3}  {c['bubble']:>24.4f}  {c['formula']:>11.4f}  "
+                     f"{c['sends']:>14}")
+    return "\n".join(lines)
+
 # ---------------------------------------------------------------- memory of the pipeline
 
 
@@ -871,14 +968,18 @@ def pipelining_status() -> str:
     if not hasattr(schedules, "_wait_batch_p2p"):
         return ("this torch's pipelining waits on one Work of several on gloo and can hang "
                 "(pytorch#132644): not run here")
-    # A bug, not an API, so no feature to ask for: on torch 2.9.1 (which has the fix above)
-    # ScheduleGPipe's first step still aborts a gloo rank ("Received data size doesn't match",
-    # 8 vs 4 bytes, with or without shape inference); on 2.14.1 it runs. Releases in between
-    # were not checked, so they are not run.
+    # A bug, not an API, so no feature to ask for: on torch 2.9.1 the schedules' first step
+    # begins with a handshake between neighbouring stages (stage.py, _get_init_p2p_neighbors_ops)
+    # that receives into torch.zeros(1), float32, 4 bytes, what the neighbour sends as
+    # torch.tensor(stage_index), int64, 8 bytes; gloo checks the sizes and aborts the rank
+    # ("8 vs 4"). torch 2.14.1 receives a float32 from a float32. Releases in between were not
+    # checked, so they are not run.
     if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 14):
-        return (f"on torch 2.9.1 ScheduleGPipe's step aborts a gloo rank (a message-size "
-                f"mismatch); the kit runs it from torch 2.14, the release it was checked on, "
-                f"and this is {torch.__version__.split('+')[0]}: not run here")
+        return (f"not run on torch {torch.__version__.split('+')[0]}: its schedules' first "
+                "step sends an int64 stage index (8 B) where the neighbour receives into a "
+                "float32[1] (4 B), and gloo aborts the rank (torch/distributed/pipelining/"
+                "stage.py, _get_init_p2p_neighbors_ops); the kit runs them from torch 2.14, "
+                "where both are float32")
     return "runs"
 
 
@@ -911,6 +1012,35 @@ def torch_gpipe(rank: int, world_size: int, device: torch.device,
     mine = _flat(p.grad.cpu() for p in stage_module.parameters())
     return {"first": logs[0].summary(), "collectives": logs[1].summary(),
             "grads_equal": case("g", mine, want, RTOL, ATOL).ok}
+
+
+def torch_schedule_record(module: nn.Module, logs: list, rank: int, world_size: int) -> dict:
+    """What one of torch's schedules did on this rank, over its steps (`logs`, one Ledger per
+    step): the collectives of the first and of the last step, and whether this stage's
+    gradients after the last step equal the unsplit model's on the same batch."""
+    whole = pipeline_model(0)
+    x, target = pipeline_batch()
+    loss_of(whole(x), target, PIPE_BATCH).backward()
+    want = _flat(p.grad for p in stage_of(whole, rank, world_size).parameters())
+    mine = _flat(p.grad.cpu() for p in module.parameters())
+    return {"first": logs[0].summary(), "collectives": logs[-1].summary(),
+            "grads_equal": case("g", mine, want, RTOL, ATOL).ok}
+
+
+def describe_torch_pipelining(records: list[dict]) -> str:
+    """Per schedule the learner ran (`{name: torch_schedule_record}` from every rank): the
+    gradient check and what each rank sent and received in the first and the second step."""
+    if not records[0]:
+        return pipelining_status()
+    lines = []
+    for name in records[0]:
+        ok = "yes" if all(r[name]["grads_equal"] for r in records) else "NO"
+        lines.append(f"{name}, 4 micro-batches: gradients equal the unsplit model's on every "
+                     f"rank: {ok}")
+        for rank, r in enumerate(records):
+            lines.append(f"  rank {rank}: first step {_calls(r[name]['first'])}; second step "
+                         f"{_calls(r[name]['collectives'])}")
+    return "\n".join(lines)
 
 
 def describe_torch_gpipe(records: list[dict | None]) -> str:
@@ -1147,7 +1277,8 @@ def check_one_f_one_b(namespace: dict) -> list[Case]:
     only (every rank would find the same), so that a FAIL names the run's cases first."""
     fn = require(namespace, "one_f_one_b")
     kit = solution_module("one_f_one_b").one_f_one_b
-    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    rank, world_size = dist.get_rank(), dist.get_world_size()  # any world size the check runs at
+    device = namespace.get("device")
     m = RUN_MICROBATCHES
     sizes = ", ".join(str(len(t)) for t in torch.arange(PIPE_BATCH).tensor_split(m))
     label = f"a step on {world_size} ranks, {m} micro-batches of {sizes}"
