@@ -243,8 +243,8 @@ def test_attention_by_heads_equals_the_layer_and_a_layer_sends_two_all_reduces_e
         f"forward: all_reduce x2 of {2 * bsh:,} B; backward: all_reduce x2 of {2 * bsh:,} B; "
         f"2 x b·s·h = 2 x 2·6·24 floats = 2 x {bsh:,} B each way"] * n
     assert p.run(notebook_cell("ones = torch.ones(")) == [
-        "outside (replicated, one seed): the same mask on every rank: True; inside (my shard, "
-        "seed + rank): False; inside with one seed for all: True"] * n
+        "the same mask on every rank? outside (replicated, one seed): True; inside (my shard, "
+        "seed + 2718 + rank): False; inside with one seed for all: True"] * n
 
 
 @pytest.mark.parametrize("n", [2, 3])

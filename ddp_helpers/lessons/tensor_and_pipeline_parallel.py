@@ -281,8 +281,8 @@ def dropout_masks(outside: torch.Tensor, inside: torch.Tensor, shared: torch.Ten
         dist.all_gather(everyone, t.contiguous())
         return all(torch.equal(e, everyone[0]) for e in everyone)
 
-    return (f"outside (replicated, one seed): the same mask on every rank: "
-            f"{equal_everywhere(outside == 0)}; inside (my shard, seed + rank): "
+    return (f"the same mask on every rank? outside (replicated, one seed): "
+            f"{equal_everywhere(outside == 0)}; inside (my shard, seed + 2718 + rank): "
             f"{equal_everywhere(inside == 0)}; inside with one seed for all: "
             f"{equal_everywhere(shared == 0)}")
 
@@ -760,8 +760,9 @@ def predicted_bubbles(fn: Callable | None, runs: list[list[dict]]) -> str:
     """The learner's bubble_fraction(p, m) beside the bubble counted in slots, if written."""
     try:
         fn = require({"bubble_fraction": fn}, "bubble_fraction")
-    except NotAttempted as e:
-        return f"no prediction yet: {e}"
+    except NotAttempted:
+        return ("no prediction yet: write bubble_fraction's body (section 3's exercise), run "
+                "its cell, then rerun this cell to see it beside the bubble counted in slots")
     lines = []
     for per_rank in by_run(runs):
         p, m = len(per_rank), per_rank[0]["m"]
