@@ -1,9 +1,12 @@
 """Lesson 11's exercises: plausible wrong answers FAIL naming the case, correct ones written
 differently PASS, on 2 ranks and 3. row_parallel is checked on the Ledger (one all_reduce of
-the output, whatever it was imported as; an all_gather or a gather to rank 0 is named), on 64
-hidden features and on 7, which neither world size divides. one_f_one_b runs a step in the
-learner's order with 5 micro-batches and compares each rank's sends and receives, in order
-with their peers, with 1F1B's: GPipe's order gives the same gradients and FAILs there."""
+the output, whatever it was imported as; an all_gather or a gather to rank 0 is named), on 48
+hidden features and on 7, which neither world size divides, and it must train: backward gives
+the unsplit layer's gradients, with no collective and not through a bare all_reduce
+(.detach(), torch.no_grad(), a functional all_reduce and a bias only rank 0 uses FAIL).
+one_f_one_b runs a step in the learner's order with 5 micro-batches and compares each rank's
+sends and receives, in order with their peers, with 1F1B's: GPipe's order gives the same
+gradients and FAILs there."""
 
 from fractions import Fraction
 
@@ -30,11 +33,11 @@ def three():
 
 # ---------------------------------------------------------------- row_parallel
 
-SUM = "    y = h_shard @ weight_shard.T\n    dist.all_reduce(y)\n"
+SUM = "    y = SumOverRanks.apply(h_shard @ weight_shard.T)\n"
 
 
 def rows(new: str) -> str:
-    """The kit's row_parallel_forward with its product and all-reduce replaced."""
+    """The kit's row_parallel_forward with its product and sum replaced."""
     return edit("row_parallel", SUM, new)
 
 
@@ -43,8 +46,7 @@ def row_wrong(n: int) -> dict[str, tuple[str, str]]:
     first = f"batch 8, 48 hidden features over {n} ranks"
     return {
         "the bias added on every rank before the sum": (
-            rows("    y = h_shard @ weight_shard.T + bias\n    dist.all_reduce(y)\n"
-                 "    bias = 0\n"),
+            rows("    y = SumOverRanks.apply(h_shard @ weight_shard.T + bias)\n    bias = 0\n"),
             f"rank 0: {first}: the output: at index"),
         "no all-reduce": (rows("    y = h_shard @ weight_shard.T\n"),
                           f"rank 0: {first}: the output: at index"),
@@ -82,26 +84,71 @@ def row_wrong(n: int) -> dict[str, tuple[str, str]]:
                  "    return y + b"),
             f"rank 0: {first}: the collectives: got all_reduce #1 float32[8, 16], all_reduce "
             "#2 float32[16]"),
+        # right values, but the layer cannot train (issue 38: answers that build a layer train)
+        ".detach() before the product (right values)": (
+            rows("    y = h_shard.detach() @ weight_shard.detach().T\n    dist.all_reduce(y)\n"),
+            f"rank 0: {first}: the gradient of h_shard: got None: no gradient reaches it"),
+        "under torch.no_grad() (right values)": (
+            rows("    with torch.no_grad():\n"
+                 "        y = SumOverRanks.apply(h_shard @ weight_shard.T)\n"),
+            f"rank 0: {first}: the gradient of h_shard: got None: no gradient reaches it"),
+        "a bare dist.all_reduce (right values and gradients here; autograd cannot see it)": (
+            rows("    y = h_shard @ weight_shard.T\n    dist.all_reduce(y)\n"),
+            f"rank 0: {first}: a sum autograd knows how to differentiate: your allreduce_ ran "
+            "on a tensor that requires a gradient"),
+        "a functional all_reduce (right values; its backward sums dL/dy again)": (
+            rows("    import torch.distributed._functional_collectives as funcol\n"
+                 "    y = funcol.all_reduce(h_shard @ weight_shard.T, 'sum', dist.group.WORLD)\n"),
+            # torch 2.9.1 has no autograd formula for it (the autograd case FAILs first);
+            # 2.14.1's all-reduces dL/dy in backward (backward's collectives FAIL first)
+            f"rank 0: {first}: "),
+        "g with an all-reduce in backward too (right values)": (
+            edit("row_parallel", "    def backward(ctx, grad):\n        return grad",
+                 "    def backward(ctx, grad):\n        grad = grad.clone()\n"
+                 "        dist.all_reduce(grad)\n        return grad"),
+            f"rank 0: {first}: backward's collectives: got all_reduce #1 float32[8, 16], "
+            "expected none"),
+        "the bias added on rank 0 before the sum (right values; rank 1's bias learns nothing)": (
+            "import torch.nn.functional as F\n\n"
+            + exercises.solution_source("row_parallel").split("\n\ndef row_parallel_forward")[0]
+            + "\n\ndef row_parallel_forward(h_shard, weight_shard, bias):\n"
+            "    b = bias if dist.get_rank() == 0 else None\n"
+            "    return SumOverRanks.apply(F.linear(h_shard, weight_shard, b))\n",
+            f"rank 1: {first}: the gradient of bias: got None"),
+        "a share of the bias on every rank (right values; each copy learns 1/N)": (
+            rows("    y = SumOverRanks.apply(h_shard @ weight_shard.T + bias / "
+                 "dist.get_world_size())\n    bias = 0\n"),
+            f"rank 0: {first}: the gradient of bias: at index"),
     }
 
 
+FUNCTION = (
+    "class Sum(torch.autograd.Function):\n"
+    "    @staticmethod\n    def forward(ctx, partial, bias):\n"
+    "        partial = partial.clone()\n"
+    "        dist.all_reduce(partial, op=dist.ReduceOp.SUM, async_op=True).wait()\n"
+    "        return partial + bias\n"
+    "    @staticmethod\n    def backward(ctx, grad):\n"
+    "        return grad, grad.sum(0)\n\n")
 ROW_RIGHT = {
-    "an alias of all_reduce, the bias added on rank 0 before the sum": (
-        "from torch.distributed import all_reduce as sum_all\n"
+    "an alias of all_reduce inside a Function, the bias added inside it": (
+        FUNCTION.replace("dist.all_reduce(partial, op=dist.ReduceOp.SUM, async_op=True).wait()",
+                         "sum_all(partial)")
+        .replace("class Sum", "from torch.distributed import all_reduce as sum_all\n\n"
+                              "class Sum")
+        + "def row_parallel_forward(h_shard, weight_shard, bias):\n"
+        "    return Sum.apply(h_shard @ weight_shard.t(), bias)\n"),
+    "async_op waited inside a Function, einsum": (
+        FUNCTION + "def row_parallel_forward(h_shard, weight_shard, bias):\n"
+        "    return Sum.apply(torch.einsum('bk,ok->bo', h_shard, weight_shard), bias)\n"),
+    "a Function that copies the gradient, F.linear": (
         "import torch.nn.functional as F\n\n"
+        "class G(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n"
+        "        out = x.detach().clone()\n        dist.all_reduce(out)\n        return out\n"
+        "    @staticmethod\n    def backward(ctx, grad):\n        return grad.clone()\n\n"
         "def row_parallel_forward(h_shard, weight_shard, bias):\n"
-        "    y = F.linear(h_shard, weight_shard, bias if dist.get_rank() == 0 else None)\n"
-        "    sum_all(y, op=dist.ReduceOp.SUM)\n    return y\n"),
-    "a functional collective": (
-        "import torch.distributed._functional_collectives as funcol\n\n"
-        "def row_parallel_forward(h_shard, weight_shard, bias):\n"
-        "    partial = torch.matmul(h_shard, weight_shard.t())\n"
-        "    return funcol.all_reduce(partial, 'sum', dist.group.WORLD).wait() + bias\n"),
-    "async_op waited, a share of the bias on every rank": (
-        "def row_parallel_forward(h_shard, weight_shard, bias):\n"
-        "    y = torch.einsum('bk,ok->bo', h_shard, weight_shard) + bias / "
-        "dist.get_world_size()\n"
-        "    dist.all_reduce(y, async_op=True).wait()\n    return y\n"),
+        "    return G.apply(F.linear(h_shard, weight_shard)) + bias\n"),
 }
 
 
@@ -119,7 +166,8 @@ def test_row_parallel_written_differently_passes(n, two, three, tmp_path):
     answers = dict(ROW_RIGHT, kit=exercises.solution_source("row_parallel"))
     lines = verdicts("row_parallel", answers, tmp_path, pool, other)
     assert_all_pass("row_parallel", lines)
-    cases = 4 * (2 + 3)  # two inputs, the output and the collectives of each, on every rank
+    cases = 14 * (2 + 3)  # two inputs; per input the output, the forward's and backward's
+    # collectives, the autograd warning and three gradients, on every rank of both sizes
     assert lines["kit"] == (f"PASS row_parallel: {cases} of {cases} cases at world sizes "
                             f"{n} and {5 - n}")
 
@@ -241,7 +289,9 @@ def _ones_bubble(p, m):
 
 
 BUBBLE_WRONG = {  # label: (answer, text its FAIL must name)
-    "idle over busy, (p - 1) / m": (lambda p, m: (p - 1) / m, "p=2, m=1: got 1, expected 0.5"),
+    "idle over busy, (p - 1) / m": (lambda p, m: (p - 1) / m,
+                                    "p=2, m=1: got 1, expected 0.5 (yours is (p - 1)/m, the "
+                                    "idle time over the ideal time 2m"),
     "(p - 1) / (m + p)": (lambda p, m: (p - 1) / (m + p), "p=2, m=1: got 0.333333"),
     "p / (m + p - 1)": (lambda p, m: p / (m + p - 1), "p=2, m=1: got 1, expected 0.5"),
     "(p - 1) / (m p)": (lambda p, m: (p - 1) / (m * p), "p=2, m=4: got 0.125, expected 0.2"),

@@ -3,6 +3,9 @@
 per rank against the formulas). Its three exercises' checks, wrong answers and right ones, are
 tested in tests/test_exercise_tensor_and_pipeline_parallel.py."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ import ddp_helpers as dh
 from ddp_helpers.lessons import tensor_and_pipeline_parallel as lesson
 
 SETUP = "import torch.nn.functional as F\n" \
+        "import torch\n" \
         "from ddp_helpers.lessons import tensor_and_pipeline_parallel as lesson"
 
 
@@ -51,19 +55,23 @@ ALL_EQUAL = "; ".join(f"{k}: equal within rtol=1e-05, atol=1e-06: True"
                       for k in ("y", "x", "w1", "b1", "w2", "b2"))
 
 
-def test_megatron_split_by_hand_sends_one_all_reduce_each_way_and_equals_the_block(pool):
-    for fwd, bwd, equal in pool.run(BY_HAND):
+@pytest.mark.parametrize("n", [2, 3])
+def test_megatron_split_by_hand_sends_one_all_reduce_each_way_and_equals_the_block(
+        n, pool, pool3):
+    for fwd, bwd, equal in {2: pool, 3: pool3}[n].run(BY_HAND):
         assert fwd == {"all_reduce": (1, lesson.BATCH * lesson.D * 4)} == bwd
         assert equal == ALL_EQUAL
 
 
-def test_rows_first_sends_an_all_reduce_of_the_hidden_layer_and_an_all_gather(pool):
-    got = pool.run("x, _ = lesson.block_input()\nwith lesson.CollectiveLog() as log:\n"
-                   "    y = lesson.rows_first_forward(lesson.mlp_block(0), x, rank, world_size)\n"
-                   "log.summary(), lesson.compare_with_unsplit({'y': y}, rank, world_size)")
+@pytest.mark.parametrize("n", [2, 3])
+def test_rows_first_sends_an_all_reduce_of_the_hidden_layer_and_an_all_gather(n, pool, pool3):
+    got = {2: pool, 3: pool3}[n].run(
+        "x, _ = lesson.block_input()\nwith lesson.CollectiveLog() as log:\n"
+        "    y = lesson.rows_first_forward(lesson.mlp_block(0), x, rank, world_size)\n"
+        "log.summary(), lesson.compare_with_unsplit({'y': y}, rank, world_size)")
     for summary, equal in got:
         assert summary == {"all_reduce": (1, lesson.BATCH * lesson.HIDDEN * 4),
-                           "all_gather": (1, lesson.BATCH * lesson.D * 4 // 2)}
+                           "all_gather": (1, lesson.BATCH * -(-lesson.D // n) * 4)}  # padded
         assert equal == "y: equal within rtol=1e-05, atol=1e-06: True"
 
 
@@ -163,7 +171,7 @@ def test_torch_pipelining_sends_what_the_hand_written_gpipe_sends(pool):
     status = pool.run("lesson.pipelining_status()")
     if status[0] != "runs":  # an older torch without the gloo fix: said so, and not run
         assert any(why in status[0] for why in ("pytorch#132644", "no torch.distributed.pipelining",
-                                                "the kit runs it from torch 2.14"))
+                                                "the kit runs them from torch 2.14"))
         return
     records = pool.run("lesson.torch_gpipe(rank, world_size, device)")
     for r in records:
@@ -203,3 +211,91 @@ def test_a_gloo_send_waits_for_the_matching_recv(pool):
     assert pool.run("lesson.send_waits_for_recv(rank)") == [
         "my send of 4 bytes finished before rank 1 posted its recv: False",
         "posted my recv only after the barrier"]
+
+
+# ------------------------------------------- the notebook's attention and sequence-parallel cells
+
+NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "11_tensor_and_pipeline_parallel.ipynb"
+
+
+def notebook_cell(first_line: str) -> str:
+    """The body of the notebook's %%ranks cell whose code starts with `first_line` (after the
+    magic's line), so that these tests run what the learner runs."""
+    for c in json.loads(NOTEBOOK.read_text())["cells"]:
+        source = "".join(c["source"])
+        if c["cell_type"] == "code" and source.startswith("%%ranks"):
+            body = source.split("\n", 1)[1]
+            if body.startswith(first_line):
+                return body
+    raise AssertionError(f"no %%ranks cell starts with {first_line!r}")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_attention_by_heads_equals_the_layer_and_a_layer_sends_two_all_reduces_each_way(
+        n, pool, pool3):
+    p = {2: pool, 3: pool3}[n]
+    bsh = 4 * lesson.SEQ_BATCH * lesson.SEQ_LEN * lesson.SEQ_D
+    assert p.run(notebook_cell("attn = lesson.attention_layer")) == \
+        [(f"all_reduce x1 ({bsh:,} B)",) * 2] * n
+    for line in p.run(notebook_cell("lesson.compare_attention(")):
+        assert line.startswith("out, x, wq, bq, wk, bk, wv, bv, wo, bo equal") and "NOT" not in line
+    assert p.run(notebook_cell("lesson.layer_collectives(")) == [
+        f"forward: all_reduce x2 of {2 * bsh:,} B; backward: all_reduce x2 of {2 * bsh:,} B; "
+        f"2 x b·s·h = 2 x 2·6·24 floats = 2 x {bsh:,} B each way"] * n
+    assert p.run(notebook_cell("ones = torch.ones(")) == [
+        "the same mask on every rank? outside (replicated, one seed): True; inside (my shard, "
+        "seed + 2718 + rank): False; inside with one seed for all: True"] * n
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_sequence_parallel_gathers_and_scatters_and_equals_the_block(n, pool, pool3):
+    p = {2: pool, 3: pool3}[n]
+    p.run(notebook_cell("from torch.distributed.device_mesh import init_device_mesh"))
+    bsh = 4 * lesson.SEQ_BATCH * lesson.SEQ_LEN * lesson.SEQ_D
+    calls = f"all_gather x1 ({bsh // n:,} B), reduce_scatter x1 ({bsh:,} B)"
+    assert p.run(notebook_cell("from torch.distributed.tensor import Shard")) == [(calls,) * 2] * n
+    for placements, summed, compared in p.run(notebook_cell("g_norm = sp_block[0]")):
+        assert str(placements) == "(Partial(sum),)"
+        assert summed == f"all_reduce x1 ({4 * lesson.SEQ_D} B)"
+        assert compared == ("y (my positions): True; dL/dx (my positions): True; w1 (my rows): "
+                            "True; w2 (my columns): True; LayerNorm weight, local: False; "
+                            "LayerNorm weight, full_tensor(): True")
+    measured = p.run("lesson.sp_memory(rank, world_size, device)")
+    assert measured == [lesson.sp_formulas(n)] * n
+    assert measured[0]["TP + SP"] < measured[0]["TP"] < measured[0]["unsplit"]
+
+
+def test_the_notebooks_torch_schedules_run_or_say_why_not(pool):
+    pool.run("x_all, target_all = (t.to(device) for t in lesson.pipeline_batch())")
+    pool.run(notebook_cell("from torch.distributed.pipelining import PipelineStage"))
+    text = lesson.describe_torch_pipelining(pool.run("torch_pp"))
+    if pool.run("lesson.pipelining_status()")[0] != "runs":  # the floor: the reason, sourced
+        assert text.startswith("not run on torch ") and "_get_init_p2p_neighbors_ops" in text
+        return
+    step = "second step recv x4 of 4,096 B, send x4 of 4,096 B"
+    for name in ("ScheduleGPipe", "Schedule1F1B"):
+        assert f"{name}, 4 micro-batches: gradients equal the unsplit model's on every rank: " \
+               "yes" in text
+    assert text.count(step) == 4, text
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 1, 4), (2, 2, 4), (3, 2, 6), (4, 2, 8), (4, 4, 8),
+                                   (2, 3, 2)])
+def test_interleaved_1f1b_counted_in_slots_is_the_formula(p, v, m):
+    c = lesson.interleaved_counts(p, v, m)
+    assert c["bubble"] == pytest.approx((p - 1) / (v * m))
+    assert c["sends"] == 2 * m * (p * v - 1)
+    orders = [lesson.interleaved_order(r, p, v, m) for r in range(p)]
+    for order in orders:  # every chunk's forward and backward of every micro-batch, once
+        assert sorted(order) == sorted((k, c_, i) for k in "FB" for c_ in range(v)
+                                       for i in range(m))
+    if v == 1:  # one chunk per rank: the same bubble as the lesson's 1F1B over the ideal time
+        ones = lesson.simulate([lesson.solution_module("one_f_one_b").one_f_one_b(s, p, m)
+                                for s in range(p)])
+        span = max(start + 1 for ops in ones for *_, start in ops)
+        assert (span - 2 * m) / (2 * m) == pytest.approx(c["bubble"])
+
+
+def test_interleaved_needs_m_a_multiple_of_p():
+    with pytest.raises(ValueError, match="multiple of p"):
+        lesson.interleaved_order(0, 2, 2, 3)
