@@ -108,7 +108,34 @@ def peak_kib(tracker) -> dict[str, float]:
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_name = {getattr(kind, "value", kind): n for kind, n in snapshot.items()}
     return {"peak": round(by_name["Total"] / 1024, 1),
-            "unsharded parameters then": round(by_name.get("Unsharded Param", 0) / 1024, 1)}
+            "unsharded parameters then": round(by_name.get("Unsharded Param", 0) / 1024, 1),
+            "all-gather buffers then": round(by_name.get("All Gather", 0) / 1024, 1)}
+
+
+def step_peak_kib(kind: str, rank: int, world_size: int, device: torch.device,
+                  namespace: dict | None = None) -> float:
+    """The peak KiB of tensors alive during one whole step (forward, backward, optimizer step)
+    of `kind`, the second step of a fresh run (the first creates Adam's state), as torch's
+    MemTracker (FSDPMemTracker for FSDP2) sees it on this rank's thread."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = mlp(0).to(device)
+    module, step, opt = setup_training(kind, model, device, namespace)
+    with quiet_fsdp2():
+        for i in range(2):
+            if i == 1:
+                if kind == "fsdp2":
+                    tracker = FSDPMemTracker(model, opt)
+                else:
+                    tracker = MemTracker()
+                    tracker.track_external(model, opt)
+            x, y = rank_batch(i, rank, world_size, device)
+            with tracker if i == 1 else contextlib.nullcontext():
+                F.cross_entropy(module(x), y).backward()
+                step()
+                model.zero_grad(set_to_none=False)
+    return peak_kib(tracker)["peak"]
 
 
 def formulas(psi: int, world_size: int) -> dict[str, dict[str, float]]:
