@@ -96,6 +96,18 @@ class Recorder:
             self._epoch_start = None
 
 
+def average_gradients(model: nn.Module) -> None:
+    """What DDP does for you, in one piece, after backward: flatten, all-reduce, divide, copy."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def planned_indices(batches) -> torch.Tensor | None:
     """The sample indices an epoch will visit, where the loader can say so in advance."""
     sampler = getattr(batches, "sampler", None)

@@ -86,6 +86,9 @@ def test_the_snapshot_after_a_mismatch_holds_the_callers_locals(pool, capsys):
     assert "in all_reduce (it entered all_reduce #3 float32[4] at In [9], line 4)" in rank0
     assert "In [9], line 4, in sync: dist.all_reduce(grads)" in rank0
     assert "grads = float32[4] cpu [0, 0, 0, 0]" in rank0 and "step = 2" in rank0
+    # what was handed to the call is its arguments, not torch's own locals
+    assert "handed tensor = float32[4] cpu [0, 0, 0, 0]" in rank0
+    assert "relevant_args" not in rank0
     assert "rank 1: idle, between cells" in where.text(1)  # it had finished the cell
     # The stopped pool shows the snapshot, read-only, and says why
     capsys.readouterr()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ def report():
 
 
 def test_report_has_every_section(report):
-    assert set(report) == {"versions", "cpu", "gpus", "backends", "choice"}
+    assert set(report) == {"versions", "cpu", "gpus", "backends", "distributed", "choice"}
     assert report["versions"]["torch"] == torch.__version__
     assert report["backends"]["gloo"] is True  # every lesson depends on it
     assert report["cpu"]["logical cores"] >= 1
@@ -60,7 +62,9 @@ def test_summary_and_verdict_pass_after_a_good_run(report):
 
 
 def test_verdict_names_the_failed_check(report):
-    wrong = [{"rank": r, "result": torch.tensor([2.0, 2.0, 2.0])} for r in range(2)]
+    backend, device = report["choice"]["backend"], report["choice"]["device"]
+    wrong = [{"rank": r, "backend": backend, "device": device,
+              "result": torch.tensor([2.0, 2.0, 2.0])} for r in range(2)]
     assert "FAIL  two-rank all_reduce  (expected 3, got" in setup_check.summary(report, wrong)
     assert setup_check.verdict(report, wrong).startswith("1 of 7 checks failed: two-rank")
     assert "not run yet" in setup_check.summary(report, None)
@@ -79,3 +83,55 @@ def test_the_figure_has_a_bar_per_rank_before_and_after():
     before, after = fig.axes
     assert [p.get_height() for p in before.patches] == [1.0, 2.0]
     assert [p.get_height() for p in after.patches] == [3.0, 3.0]
+
+
+def _good_results(report):
+    choice = report["choice"]
+    return [{"rank": r, "backend": choice["backend"], "device": choice["device"],
+             "result": torch.tensor([3.0, 3.0, 3.0])} for r in range(2)]
+
+
+def _spoil(report, results, what):
+    """A copy of the report and results with the one thing `what` reads made wrong."""
+    report = copy.deepcopy(report)
+    results = copy.deepcopy(results)
+    if what == "python":
+        report["versions"]["python"] = "3.8.10"
+    elif what == "torch":
+        report["versions"]["torch"] = "2.1.0+cu121"
+    elif what == "distributed":
+        report["distributed"] = False
+    elif what == "gloo":
+        report["backends"]["gloo"] = False
+    elif what == "cores":
+        report["cpu"]["usable by this process"] = 1
+    elif what == "choice":
+        results[1]["backend"], results[1]["device"] = "mpi", "meta"
+    elif what == "all_reduce":
+        results[0]["result"] = torch.tensor([1.0, 1.0, 1.0])
+    return report, results
+
+
+@pytest.mark.parametrize("what, index", [("python", 0), ("torch", 1), ("distributed", 2),
+                                         ("gloo", 3), ("cores", 4), ("choice", 5),
+                                         ("all_reduce", 6)])
+def test_each_check_can_fail_alone(report, what, index):
+    if "torch" not in setup_check._FLOORS:
+        pytest.skip("the kit is not installed: its torch floor is unknown, so that check fails")
+    report = copy.deepcopy(report)
+    report["cpu"]["usable by this process"] = 2  # this test is about the checks, not the host
+    results = _good_results(report)
+    assert all(ok for _, ok, _ in setup_check.checks(report, results))
+    spoiled = setup_check.checks(*_spoil(report, results, what))
+    failed = [i for i, (_, ok, _) in enumerate(spoiled) if not ok]
+    assert failed == [index], spoiled
+    assert setup_check.verdict(*_spoil(report, results, what)).startswith("1 of 7 checks failed")
+
+
+def test_the_choice_check_names_what_the_ranks_used(report):
+    results = _good_results(report)
+    results[1]["backend"] = "mpi"
+    what, ok, detail = setup_check.checks(report, results)[5]
+    assert (what, ok) == ("ranks used the kit's backend choice", False)
+    assert "the ranks used" in detail and "mpi on" in detail
+    assert setup_check.checks(report, None)[5][1] is False

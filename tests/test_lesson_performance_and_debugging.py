@@ -220,6 +220,31 @@ def test_a_hang_is_named_as_the_mismatch_of_each_ranks_third_collective(no_lefto
     assert isinstance(e.value, dh.LaunchTimeout)  # existing `except LaunchTimeout` still works
 
 
+def test_rank_1s_shard_has_a_stuck_column_that_standardising_turns_into_nan():
+    # Section 6's bug: per-shard standardising divides by a std of 0 on rank 1 only.
+    for rank in (0, 1):
+        raw, y = lesson.load_shard(rank, 2)
+        assert raw.shape == (8, 3) and bool((y == raw.sum(1)).all())
+        x = (raw - raw.mean(0)) / raw.std(0)
+        assert x.isnan().all(dim=0).tolist() == ([False, True, False] if rank else [False] * 3)
+    assert lesson.load_shard(1, 2)[0][:, 1].tolist() == [5.0] * 8
+
+
+def test_a_collective_called_on_rank_0_only_is_in_the_snapshot_with_its_locals(no_leftovers):
+    # Section 6's hang, as its %%ranks cell types it: the snapshot shows rank 0 inside the
+    # branch that rank 1 skipped, with the step it was at.
+    code = ("def report(step, loss):\n    if rank == 0 and step == 1:\n"
+            "        dist.all_reduce(loss)\n"
+            "for step in range(2):\n    g = torch.ones(4)\n    dist.all_reduce(g)\n"
+            "    report(step, torch.tensor([float(step)]))\n")
+    with dh.Ranks(2, timeout=60, output="none") as pool:
+        with pytest.raises(dh.LaunchTimeout) as e:
+            pool.run(code, label="In [5]", first_line=2)
+        rank0 = e.value.where.text(0)
+    assert "In [5], line 4, in report: dist.all_reduce(loss)" in rank0
+    assert "step = 1" in rank0
+
+
 @pytest.mark.slow
 def test_torchrun_error_files_name_the_rank_that_raised(no_leftovers):
     with tempfile.TemporaryDirectory() as logs:

@@ -222,3 +222,23 @@ def test_env_report_check_fails_a_hard_coded_port():
     cases = exercises.find("env_report").check(_Module(env_report=fixed_port))
     assert not any(c.ok for c in cases)
     assert "'MASTER_PORT': 29500" in cases[0].detail
+
+
+def test_a_recv_nobody_sends_is_named_as_a_mismatch_before_the_timeout():
+    # The contrast with hangs_on: the stuck rank is inside torch.distributed, so the kit compares
+    # its recv with the other rank's barrier and stops the run long before the 120 s timeout.
+    with pytest.raises(dh.CollectiveMismatch, match=r"rank 1 is in recv #1") as info:
+        dh.launch(lesson.waits_in_recv, args=(2, 1), nprocs=2, output="none", timeout=120)
+    assert "rank 0 is in barrier #1" in str(info.value)
+
+
+def test_slowest_in_every_round():
+    assert lesson.slowest_in_every_round({"spawn": [3.0, 4.0], "fork": [0.1, 0.2]}) == "spawn"
+    assert lesson.slowest_in_every_round({"spawn": [3.0, 0.1], "fork": [0.1, 0.2]}) is None
+
+
+def test_start_method_rounds_times_every_method_every_round():
+    rounds = lesson.start_method_rounds(("forkserver", "fork"), nprocs=1, rounds=2)
+    assert {m: len(t) for m, t in rounds.items()} == {"forkserver": 2, "fork": 2}
+    fig = splots.start_method_bars(rounds)
+    assert len(fig.axes[0].patches) == 2 and "fastest to slowest" in fig.axes[0].get_title()

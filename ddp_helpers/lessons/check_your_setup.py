@@ -13,7 +13,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
@@ -117,6 +116,7 @@ def collect_report(nprocs: int = 2) -> dict:
     backend, device, why = choose_backend("auto", nprocs)
     return {"versions": versions(), "cpu": cpu_info(), "gpus": gpu_info(),
             "backends": {name: name in available_backends() for name in ("gloo", "nccl", "mpi")},
+            "distributed": dist.is_available(),
             "choice": {"nprocs": nprocs, "backend": backend, "device": device, "why": why}}
 
 
@@ -151,9 +151,10 @@ def expected_sum(world_size: int) -> float:
 
 
 def checks(report: dict, results: list[dict] | None) -> list[tuple[str, bool, str]]:
-    """(what, passed, detail) for each requirement of the kit."""
+    """(what, passed, detail) for each requirement of the kit, read from the report and the
+    all-reduce's results only, so that each check fails when what it reads is wrong."""
     v = report["versions"]
-    py_ok = sys.version_info[:2] >= MIN_PYTHON
+    py_ok = _version_tuple(v["python"]) >= MIN_PYTHON
     torch_ok = _version_tuple(v["torch"], parts=3) >= MIN_TORCH
     if "torch" in _FLOORS:
         torch_check = (f"torch {_FLOORS['torch']} or newer", torch_ok, v["torch"])
@@ -161,26 +162,39 @@ def checks(report: dict, results: list[dict] | None) -> list[tuple[str, bool, st
         torch_check = ("torch at the kit's floor", False,
                        f"{v['torch']}; the kit is not installed, so its floor is unknown: "
                        "run `pip install -e .` in the checkout")
-    out = [
+    usable = report["cpu"]["usable by this process"]
+    return [
         (f"Python {_FLOORS.get('python', '?')} or newer", py_ok, v["python"]),
         torch_check,
-        ("torch.distributed available", dist.is_available(), ""),
+        ("torch.distributed available", report["distributed"], ""),
         ("gloo backend available", report["backends"]["gloo"], "every lesson can run on CPU"),
-        ("at least 2 usable CPU cores", (report["cpu"]["usable by this process"] or 1) >= 2,
-         f"{report['cpu']['usable by this process']} usable"),
+        ("at least 2 usable CPU cores", (usable or 1) >= 2, f"{usable} usable"),
+        _choice_check(report["choice"], results),
+        _all_reduce_check(results),
     ]
-    choice = report["choice"]
-    out.append(("kit's backend choice", True,
-                f"{choice['backend']} on {choice['device']}: {choice['why']}"))
+
+
+def _choice_check(choice: dict, results: list[dict] | None) -> tuple[str, bool, str]:
+    """Did the ranks run on the backend and device the kit chose (and why it chose them)?"""
+    what = "ranks used the kit's backend choice"
+    chose = f"{choice['backend']} on {choice['device']}"
     if results is None:
-        out.append(("two-rank all_reduce", False, "not run yet"))
-    else:
-        want = expected_sum(len(results))
-        got = [r["result"].tolist() for r in results]
-        ok = all(x == [want] * 3 for x in got)
-        out.append(("two-rank all_reduce", ok,
-                    f"every rank holds {want:g}" if ok else f"expected {want:g}, got {got}"))
-    return out
+        return what, False, f"chose {chose}; not run yet"
+    used = sorted({f"{r['backend']} on {r['device']}" for r in results})
+    if used == [chose]:
+        return what, True, f"{chose}: {choice['why']}"
+    return what, False, f"chose {chose}, the ranks used {', '.join(used)}"
+
+
+def _all_reduce_check(results: list[dict] | None) -> tuple[str, bool, str]:
+    """Does every rank hold 1 + 2 + ... + world_size after the all_reduce?"""
+    if results is None:
+        return "two-rank all_reduce", False, "not run yet"
+    want = expected_sum(len(results))
+    got = [r["result"].tolist() for r in results]
+    ok = all(x == [want] * 3 for x in got)
+    return ("two-rank all_reduce", ok,
+            f"every rank holds {want:g}" if ok else f"expected {want:g}, got {got}")
 
 
 def summary(report: dict, results: list[dict] | None) -> str:

@@ -33,6 +33,7 @@ from ..checks import Case, case
 from ..exercises import exercise_check, require
 from ..runtime import device_ids, gpu_count, process_group
 from ..torchrun import torchrun_agents  # noqa: F401 - the notebook's torchrun
+from ..training import average_gradients
 
 PHASES = ("data", "forward", "backward", "all-reduce wait", "optimizer")
 GRAD_NUMEL = 7850  # the seed model's gradient: what each step of `uneven_batches` all-reduces
@@ -60,18 +61,6 @@ def _batches(rank: int, count: int, batch: int, device: torch.device) -> list:
 
 
 # ---------------------------------------------------------------- 1. one step, phase by phase
-
-
-def average_gradients(model: nn.Module) -> None:
-    """What DDP does for you, in one piece, after backward: flatten, all-reduce, divide, copy."""
-    grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def timed_step(model, opt, batch, laps: timing.Laps, manual: bool, delay_s: float = 0.0):
@@ -513,6 +502,17 @@ def uneven_batches(rank: int, world_size: int, batches_per_rank: list[int],
         print("end of epoch: barrier", flush=True)
         dist.barrier()  # a rank with fewer batches waits here for a peer still in all_reduce
         return loss.item()
+
+
+def load_shard(rank: int, world_size: int, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of a small regression data set: (features, targets), three features of
+    whole numbers 0-9 and their sum as the target. Rank 1's shard is bad on purpose (what
+    section 6 debugs): the sensor behind its column 1 was stuck and reports 5 on every row."""
+    g = torch.Generator().manual_seed(rank)
+    raw = torch.randint(0, 10, (rows, 3), generator=g).float()
+    if rank == 1:
+        raw[:, 1] = 5.0
+    return raw, raw.sum(1)
 
 
 def never_arrives(rank: int, world_size: int, timeout_s: float = 10) -> None:

@@ -129,15 +129,33 @@ def time_start(method: str, nprocs: int = 2) -> float:
     return time.perf_counter() - start
 
 
-def measure_start_methods(methods: tuple[str, ...] = ("spawn", "forkserver", "fork"),
-                          nprocs: int = 2, repeats: int = 2) -> dict[str, float]:
-    """Median start-up seconds of each start method (the forkserver is warmed up first)."""
+def start_method_rounds(methods: tuple[str, ...] = ("spawn", "forkserver", "fork"),
+                        nprocs: int = 2, rounds: int = 3) -> dict[str, list[float]]:
+    """Start-up seconds of each start method, one per round (the forkserver is warmed up
+    first). Each round times every method once, so a slow moment of the machine hits one
+    round of every method rather than all rounds of one."""
     if "forkserver" in methods:
         time_start("forkserver", 1)  # the server's own start-up happens once per kernel
-    out = {}
-    for method in methods:
-        out[method] = statistics.median(time_start(method, nprocs) for _ in range(repeats))
+    out: dict[str, list[float]] = {method: [] for method in methods}
+    for _ in range(rounds):
+        for method in methods:
+            out[method].append(time_start(method, nprocs))
     return out
+
+
+def measure_start_methods(methods: tuple[str, ...] = ("spawn", "forkserver", "fork"),
+                          nprocs: int = 2, repeats: int = 2) -> dict[str, float]:
+    """Median start-up seconds of each start method over `repeats` rounds."""
+    rounds = start_method_rounds(methods, nprocs, repeats)
+    return {method: statistics.median(times) for method, times in rounds.items()}
+
+
+def slowest_in_every_round(rounds: dict[str, list[float]]) -> str | None:
+    """The method that was the slowest in every round, or None if no method was."""
+    per_round = zip(*rounds.values())  # one tuple of every method's seconds per round
+    methods = list(rounds)
+    slowest = {methods[times.index(max(times))] for times in per_round}
+    return slowest.pop() if len(slowest) == 1 else None
 
 
 # ---------------------------------------------------------------- what goes wrong
@@ -277,6 +295,22 @@ def hangs_on(rank: int, world_size: int, stuck_rank: int = 1, marker: str = "") 
             print("waiting for a file that rank 0 never writes...", flush=True)
             while not os.path.exists(marker):  # rank 0 was meant to write it, and forgot
                 time.sleep(0.05)
+        else:
+            print("at the barrier", flush=True)
+        dist.barrier()
+        return "done"
+
+
+def waits_in_recv(rank: int, world_size: int, stuck_rank: int = 1) -> str:
+    """`stuck_rank` waits in recv for a message nobody sends; the others wait at a barrier.
+
+    hangs_on's contrast: here the stuck rank is inside torch.distributed, so its call (a recv)
+    can be compared with the others' (a barrier), and dh.launch names the mismatch."""
+    with process_group(rank, world_size, verbose=False):
+        if rank == stuck_rank:
+            sender = 0 if stuck_rank != 0 else 1
+            print(f"waiting for a message from rank {sender}...", flush=True)
+            dist.recv(torch.empty(1), src=sender)  # the sender never sends: it is at the barrier
         else:
             print("at the barrier", flush=True)
         dist.barrier()

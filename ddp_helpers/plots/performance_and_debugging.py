@@ -77,21 +77,22 @@ def timeline_plot(records: list[dict], step: int = 0,
 
 
 def bucket_sweep_plot(sweep: dict[float, list[dict]]):
-    """Left: median step time per rank against bucket_cap_mb. Right: the exposed share of the
-    all-reduce. Each point is labelled with its bucket count."""
+    """Left: median step time per rank against bucket_cap_mb, over the profiled steps (the ones
+    `lesson.sweep_summary` prints). Right: the exposed share of the all-reduce in those steps.
+    Each point is labelled with its bucket count."""
     import statistics
 
     fig, axes = new_axes(ncols=2, width=5.0, height=3.6)
     left, right = axes[0]
     caps = sorted(sweep)
     for rank in range(len(sweep[caps[0]])):
-        ms = [statistics.median(sweep[c][rank]["step_seconds"]) * 1e3 for c in caps]
+        ms = [statistics.median(sweep[c][rank]["profiled_step_seconds"]) * 1e3 for c in caps]
         ratio = [overlap(sweep[c][rank]["events"])["exposed_ratio"] for c in caps]
         left.plot(caps, ms, "o-", color=rank_color(rank), label=f"rank {rank}")
         right.plot(caps, ratio, "o-", color=rank_color(rank), label=f"rank {rank}")
     for c in caps:  # the bucket count above each point of rank 0
         n = sweep[c][0]["buckets"]
-        for ax, y in ((left, statistics.median(sweep[c][0]["step_seconds"]) * 1e3),
+        for ax, y in ((left, statistics.median(sweep[c][0]["profiled_step_seconds"]) * 1e3),
                       (right, overlap(sweep[c][0]["events"])["exposed_ratio"])):
             ax.annotate(f"{n} bucket{'s' if n > 1 else ''}", (c, y), textcoords="offset points",
                         xytext=(0, 6), ha="center", fontsize=7)
@@ -99,7 +100,7 @@ def bucket_sweep_plot(sweep: dict[float, list[dict]]):
         ax.set_xscale("log")
         ax.set_xlabel("bucket_cap_mb")
         ax.legend(fontsize=8)
-    left.set_ylabel("median step time (ms)")
+    left.set_ylabel("median profiled step (ms)")
     left.set_title("Step time")
     right.set_ylabel("exposed all-reduce / all-reduce")
     right.set_ylim(0, 1.05)

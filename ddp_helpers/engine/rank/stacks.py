@@ -118,11 +118,18 @@ def _locals(f: types.FrameType) -> tuple[Value, ...]:
 
 
 def _tensor_values(f: types.FrameType) -> tuple[Value, ...]:
+    """The tensors handed to the torch call: its arguments only (its own locals, such as
+    relevant_args in torch's wrappers, are torch's business, not the learner's)."""
     import torch
 
-    return tuple(Value(k, summarise(v)) for k, v in f.f_locals.items()
-                 if isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and v and
-                                                    isinstance(v[0], torch.Tensor)))
+    def is_tensors(v) -> bool:
+        return isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and bool(v)
+                                               and isinstance(v[0], torch.Tensor))
+
+    code, values = f.f_code, f.f_locals
+    args = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    return tuple(Value(k, summarise(values[k])) for k in args
+                 if k in values and is_tensors(values[k]))
 
 
 def summarise(value) -> str:
