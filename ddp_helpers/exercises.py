@@ -27,12 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from . import exercise_sizes as sizes
 from .checks import Case, case  # noqa: F401 - case is what checks use
 
 ATTEMPTS = "attempts"  # notebooks/attempts/<name>.py; the folder is made on first use
 KINDS = ("file", "ranks", "prediction")
 _NOTHING = object()
 _CHECKED: set[str] = set()  # predictions dh.check has seen an answer to, in this kernel
+_REQUIRED: list[str] = []  # on a rank: the names the running check asked require() for
 
 
 class NotAttempted(Exception):
@@ -49,25 +51,30 @@ class Exercise:
     wrong_answer: object = None  # predictions: a plausible wrong answer, for the kit's tests
     hints: tuple[str, ...] = ()  # dh.hint(name) prints them one at a time, in order
     diagnosis: str = ""  # printed after a checked answer (never before): how to find the cause
+    other_world_size: int | None = None  # "ranks": the second size, where 3 beside 2 won't do
 
 
 _REGISTRY: dict[str, Exercise] = {}
 
 
 def exercise_check(name: str, kind: str, wrong_answer: object = None, *,
-                   hints: tuple[str, ...] = (), diagnosis: str = "") -> Callable:
+                   hints: tuple[str, ...] = (), diagnosis: str = "",
+                   other_world_size: int | None = None) -> Callable:
     """Register the decorated function as the check of exercise `name`.
 
     file: check(module) -> list[Case]; ranks: check(namespace) -> list[Case], run on every
     rank; prediction: check(answer) -> list[Case]. Raise NotAttempted when there is no answer.
     `hints` are shown one per dh.hint(name) call; `diagnosis` is printed after the verdict of an
     answer that was checked (PASS or FAIL), so that the path to the cause comes after the guess.
+    A "ranks" check runs on the learner's ranks, then (if every case passed) at a second world
+    size (exercise_sizes): 3 beside 2 ranks, else 2, or `other_world_size`.
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: use one of {KINDS}")
 
     def register(fn: Callable) -> Callable:
-        _REGISTRY[name] = Exercise(name, kind, fn, wrong_answer, tuple(hints), diagnosis)
+        _REGISTRY[name] = Exercise(name, kind, fn, wrong_answer, tuple(hints), diagnosis,
+                                   other_world_size)
         return fn
 
     return register
@@ -83,10 +90,13 @@ class Verdict:
     line: str
 
 
-def check(name: str, answer: object = _NOTHING, *, pool=None) -> None:
+def check(name: str, answer: object = _NOTHING, *, pool=None, other=None) -> None:
     """Check the learner's answer to exercise `name` and print one verdict line (and, for an
-    exercise that has one, the diagnosis path after a checked answer)."""
-    verdict = evaluate(name, answer, pool=pool)
+    exercise that has one, the diagnosis path after a checked answer).
+
+    `pool`: the ranks a "ranks" answer was typed on (the current ones by default); `other`: a
+    running pool of the second world size to use instead of starting one (the kit's tests)."""
+    verdict = evaluate(name, answer, pool=pool, other=other)
     print(verdict.line, flush=True)
     diagnosis = find(name).diagnosis
     if diagnosis and verdict.outcome != "NOT ATTEMPTED":
@@ -110,13 +120,13 @@ def hint(name: str) -> None:
         print(f"Hint {shown + 1} of {len(hints)} for {name}: {hints[shown]}")
 
 
-def evaluate(name: str, answer: object = _NOTHING, *, pool=None) -> Verdict:
+def evaluate(name: str, answer: object = _NOTHING, *, pool=None, other=None) -> Verdict:
     """Check exercise `name` (see check) and return the verdict instead of printing it."""
     ex = find(name)
     if ex.kind == "prediction" and answer not in (_NOTHING, None, "", Ellipsis):
         _CHECKED.add(name)  # the learner has committed to an answer: reveal may show it
     try:
-        cases = _run(ex, answer, pool)
+        cases, note = _run(ex, answer, pool, other)
     except NotAttempted as e:
         return Verdict("NOT ATTEMPTED", f"NOT ATTEMPTED {name}: {e}")
     except Exception as e:  # noqa: BLE001 - a crashing answer is a wrong answer
@@ -128,28 +138,44 @@ def evaluate(name: str, answer: object = _NOTHING, *, pool=None) -> Verdict:
     if wrong:
         return Verdict("FAIL", f"FAIL {name}: {wrong[0].label}: {wrong[0].detail} "
                                f"({len(wrong)} of {len(cases)} cases wrong)")
-    return Verdict("PASS", f"PASS {name}: {len(cases)} of {len(cases)} cases")
+    return Verdict("PASS", f"PASS {name}: {len(cases)} of {len(cases)} cases{note}")
 
 
-def _run(ex: Exercise, answer: object, pool) -> list[Case]:
+def _run(ex: Exercise, answer: object, pool, other) -> tuple[list[Case], str]:
+    """The cases, and a note for the PASS line (the world sizes a "ranks" check tried)."""
     if ex.kind == "prediction":
         if answer is _NOTHING or answer is None or answer == "" or answer is Ellipsis:
             raise NotAttempted("write your prediction in the cell above (it is empty), then "
                                "run this check")
-        return ex.check(answer)
+        return ex.check(answer), ""
     if ex.kind == "file":
         module = load_attempt(ex.name)
         if module is None:
             raise NotAttempted(f"write it with %%writefile {ATTEMPTS}/{ex.name}.py, then run "
                                "this check (dh.reveal shows the kit's solution)")
-        return ex.check(module)
-    return _run_on_ranks(ex, pool)
+        return ex.check(module), ""
+    return _run_at_two_sizes(ex, pool, other)
+
+
+def _run_at_two_sizes(ex: Exercise, pool, other) -> tuple[list[Case], str]:
+    """The learner's ranks first; only an answer right there is tried at the second size."""
+    from .engine import current
+
+    pool = pool or current()
+    cases = _run_on_ranks(ex, pool)
+    if not all(c.ok for c in cases):
+        return cases, ""
+    size = sizes.other_size(pool.nprocs, ex.other_world_size)
+    try:
+        more = sizes.check_at(size, ex.name, pool, other)
+    except sizes.NotTried as e:
+        return cases, f" at world size {pool.nprocs} (not tried at {size}: {e})"
+    return cases + more, f" at world sizes {pool.nprocs} and {size}"
 
 
 def _run_on_ranks(ex: Exercise, pool) -> list[Case]:
-    from .engine import LaunchError, current, start_command
+    from .engine import LaunchError, start_command
 
-    pool = pool or current()
     if pool is None or not pool.running:
         raise NotAttempted(f"no ranks are running: {start_command(pool)}, define your function "
                            "in a %%ranks cell, then run this check")
@@ -168,10 +194,17 @@ def _run_on_ranks(ex: Exercise, pool) -> list[Case]:
 def on_rank(name: str, namespace: dict) -> list[Case] | str:
     """Run a "ranks" check on this rank (called by dh.check through the ranks); a string says
     why there was nothing to check here."""
+    _REQUIRED.clear()
     try:
         return find(name).check(namespace)
     except NotAttempted as e:
         return str(e)
+
+
+def cells_to_rebuild(namespace: dict) -> list[tuple[int, str]] | str:
+    """On rank 0, after on_rank: the learner's cells that define what the check required, for
+    the second world size (exercise_sizes.cells_for)."""
+    return sizes.cells_for(list(dict.fromkeys(_REQUIRED)), namespace)
 
 
 def load_attempt(name: str) -> ModuleType | None:
@@ -194,7 +227,9 @@ def load_attempt(name: str) -> ModuleType | None:
 
 
 def require(namespace_or_module, *names: str):
-    """The learner's functions by name, or NotAttempted if one is missing or still a stub."""
+    """The learner's functions by name, or NotAttempted if one is missing or still a stub.
+    The names are kept: a "ranks" check rebuilds them at its second world size."""
+    _REQUIRED.extend(names)
     found = []
     for n in names:
         if isinstance(namespace_or_module, dict):

@@ -14,9 +14,10 @@ def public_functions(module) -> list[str]:
             if not n.startswith("_") and f.__module__ == module.__name__]
 
 
-def judge(name: str, source, folder: Path, pool=None) -> exercises.Verdict:
+def judge(name: str, source, folder: Path, pool=None, other=None) -> exercises.Verdict:
     """The verdict of exercise `name` on `source` (a prediction: the predicted value), with the
-    learner's attempts/ folder in `folder`."""
+    learner's attempts/ folder in `folder`; a "ranks" answer is typed on `pool` and tried at the
+    second world size on `other` (a running pool of that size), or on a pool the check starts."""
     ex = exercises.find(name)
     if ex.kind == "prediction":
         return exercises.evaluate(name, source)
@@ -29,16 +30,20 @@ def judge(name: str, source, folder: Path, pool=None) -> exercises.Verdict:
             target.write_text(source)
             return exercises.evaluate(name)
         names = public_functions(exercises.solution_module(name))
-        pool.run(f"for _n in {names!r}:\n    globals().pop(_n, None)")
+        forget = f"for _n in {names!r}:\n    globals().pop(_n, None)"
+        for ranks in (pool, other):
+            if ranks is not None and ranks.running:
+                ranks.run(forget)  # an answer must define every name itself
         pool.run(source)
-        return exercises.evaluate(name, pool=pool)
+        return exercises.evaluate(name, pool=pool, other=other)
     finally:
         os.chdir(here)
 
 
-def verdicts(name: str, answers: dict, folder: Path, pool=None) -> dict[str, str]:
+def verdicts(name: str, answers: dict, folder: Path, pool=None, other=None) -> dict[str, str]:
     """{label: verdict line} for each of `answers` ({label: source or prediction})."""
-    return {label: judge(name, source, folder, pool).line for label, source in answers.items()}
+    return {label: judge(name, source, folder, pool, other).line
+            for label, source in answers.items()}
 
 
 def assert_all_fail(name: str, lines: dict[str, str], names_case: dict[str, str]) -> None:

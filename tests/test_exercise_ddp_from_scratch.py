@@ -42,6 +42,9 @@ NAIVE_FLAT = (  # flat_ddp's answer given as the naive one: right values, one ca
 NAIVE_WRONG = {  # label: (answer, text its FAIL must name)
     "the sum, not the mean": (edit("naive_ddp", MEAN, "        pass"),
                               f"{ODD}: {FIRST_GRAD} naive_average: at index"),
+    "async_op=True, never waited": (  # the race made certain: rank 0 joins after the others
+        edit("naive_ddp", "dist.all_reduce(p.grad)", "dist.all_reduce(p.grad, async_op=True)"),
+        "after naive_average: at index"),
     "divided by 2, the notebook's world size": (
         edit("naive_ddp", MEAN, "        p.grad /= 2"), f"{ODD}: {FIRST_GRAD} naive_average"),
     "the parameters averaged, not the gradients": (
@@ -107,6 +110,9 @@ FLAT_GRADS = "grads = [p.grad for p in model.parameters() if p.grad is not None]
 FLAT_WRONG = {
     "the sum, not the mean": (edit("flat_ddp", "flat /= dist.get_world_size()", "pass"),
                               f"{ODD}: {FIRST_GRAD} flat_average: at index"),
+    "async_op=True, never waited": (
+        edit("flat_ddp", "dist.all_reduce(flat)", "dist.all_reduce(flat, async_op=True)"),
+        "after flat_average: at index"),
     "divided by 2": (edit("flat_ddp", "flat /= dist.get_world_size()", "flat /= 2"),
                      f"{ODD}: {FIRST_GRAD} flat_average"),
     "the mean never copied back": (edit("flat_ddp", "g.copy_(", "g.clone().copy_("),

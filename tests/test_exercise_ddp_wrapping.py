@@ -32,6 +32,9 @@ BUCKET_WRONG = {  # label: (answer, text its FAIL must name)
     "copied back in reverse order": (
         edit("bucketed_average_gradients", "    for g in grads:\n", "    for g in grads[::-1]:\n"),
         "tiny_model: gradients"),
+    "async_op=True, never waited": (  # rank 0 joins last: the race is certain
+        edit("bucketed_average_gradients", "dist.all_reduce(bucket)",
+             "dist.all_reduce(bucket, async_op=True)"), "tiny_model: gradients: at index"),
     "divided twice": (edit("bucketed_average_gradients", ONE,
                            "    bucket /= world_size\n" + ONE), "tiny_model: gradients: at index"),
     "the first gradient only": (

@@ -1,6 +1,7 @@
 """Lesson 06's exercises: plausible wrong answers FAIL naming the case, correct ones written
-differently PASS. average_parameters runs on 3 ranks (dividing by 2 is not the mean) whose
-parameters differ, with the collectives it called named on a FAIL, then in a short training;
+differently PASS. average_parameters runs on 3 ranks and on 2 (dividing by a written-in 2 or 3
+is not the mean at the other size) whose parameters differ, with the collectives it called
+named on a FAIL, then in a short training;
 allreduce_calls' answer is the ledger's count of a real run."""
 
 from conftest import solution_edit as edit
@@ -31,6 +32,15 @@ AVERAGE_WRONG = {  # label: (answer, text its FAIL must name)
         "all_reduce #2 float32[3], all_reduce #3 float32[1, 3], all_reduce #4 float32[1]"),
     "divided by 2, the lesson's world size": (
         _loop(LOOP.replace("p /= world_size", "p /= 2")), f"{ONCE} 0:"),
+    "divided by 3, the check's first world size": (
+        _loop(LOOP.replace("p /= world_size", "p /= 3")),
+        "2 ranks, parameters of 15, 3, 3 and 1 numbers, different on every rank: rank 0's "
+        "parameters after one average: at index 0:"),
+    "every entry of state_dict() averaged, buffers too": (
+        _loop("    with torch.no_grad():\n        for t in model.state_dict().values():\n"
+              "            dist.all_reduce(t)\n            t /= world_size\n"),
+        "3 ranks, rank 0: Linear + BatchNorm1d (buffers beside the parameters): your function "
+        "raised RuntimeError"),
     "the first parameter only": (
         _loop(LOOP.replace("in model.parameters()", "in list(model.parameters())[:1]")),
         f"{ONCE} 15:"),
@@ -56,6 +66,10 @@ AVERAGE_WRONG = {  # label: (answer, text its FAIL must name)
 }
 
 AVERAGE_RIGHT = {
+    "the float entries of state_dict() averaged (BatchNorm's statistics too)": _loop(
+        "    with torch.no_grad():\n        for t in model.state_dict().values():\n"
+        "            if t.is_floating_point():\n                dist.all_reduce(t)\n"
+        "                t /= world_size\n"),
     "ReduceOp.AVG (gloo has it too, on 2.9 and 2.14)": _loop(
         LOOP.replace("all_reduce(p)", "all_reduce(p, op=dist.ReduceOp.AVG)")
         .replace("\n            p /= world_size", "")),

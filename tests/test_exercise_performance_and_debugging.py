@@ -59,6 +59,8 @@ EVEN_RIGHT = {
         "            more = torch.tensor([int(done < batches_per_rank[rank])], device=device)\n"
         "            dist.all_reduce(more, op=dist.ReduceOp.MIN)\n"
         "            if not more.item():\n                break\n            done += 1\n"),
+    "the loss returned as a one-element tensor, not a float": edit(
+        "even_batches", "        return loss.item()", "        return loss"),
     "an async MIN, waited on, over a float": edit(
         "even_batches", BODY,
         "        steps = torch.tensor([float(batches_per_rank[rank])], device=device)\n"

@@ -12,7 +12,14 @@ ENV_WRONG = {  # label: (answer, text its FAIL must name)
     "rank and world size from the arguments": (
         edit("env_report", READ, 'return {"RANK": rank, "WORLD_SIZE": world_size, '
              '"MASTER_PORT": int(os.environ["MASTER_PORT"])}'),
-        "3 ranks, rank 0 (called with rank=-1, world_size=-1): got {'RANK': -1"),
+        "3 ranks, rank 0 (called with rank=-1, world_size=-1, 2 ranks per node): got "
+        "{'RANK': -1"),
+    "LOCAL_RANK and LOCAL_WORLD_SIZE for the global values": (
+        edit("env_report", READ, 'return {"RANK": int(os.environ["LOCAL_RANK"]), '
+             '"WORLD_SIZE": int(os.environ["LOCAL_WORLD_SIZE"]), '
+             '"MASTER_PORT": int(os.environ["MASTER_PORT"])}'),
+        "3 ranks, rank 0 (called with rank=-1, world_size=-1, 2 ranks per node): got "
+        "{'RANK': 0, 'WORLD_SIZE': 2"),
     "the default port": (edit("env_report", READ, 'return {"RANK": int(os.environ["RANK"]), '
                               '"WORLD_SIZE": int(os.environ["WORLD_SIZE"]), '
                               '"MASTER_PORT": 29500}'), "2 ranks, rank 0: got"),

@@ -115,12 +115,13 @@ def test_wrong_row_parallel_fail_naming_the_case(n, two, three, tmp_path):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_row_parallel_written_differently_passes(n, two, three, tmp_path):
-    pool = {2: two, 3: three}[n]
+    pool, other = {2: (two, three), 3: (three, two)}[n]
     answers = dict(ROW_RIGHT, kit=exercises.solution_source("row_parallel"))
-    lines = verdicts("row_parallel", answers, tmp_path, pool)
+    lines = verdicts("row_parallel", answers, tmp_path, pool, other)
     assert_all_pass("row_parallel", lines)
-    cases = 4 * n  # two inputs, the output and the collectives of each, on every rank
-    assert lines["kit"] == f"PASS row_parallel: {cases} of {cases} cases"
+    cases = 4 * (2 + 3)  # two inputs, the output and the collectives of each, on every rank
+    assert lines["kit"] == (f"PASS row_parallel: {cases} of {cases} cases at world sizes "
+                            f"{n} and {5 - n}")
 
 
 def test_row_parallel_template_is_not_attempted(two, tmp_path):

@@ -23,6 +23,7 @@ from ..collectives import collective_bytes
 from ..data import rank_share
 from ..exercises import NotAttempted, exercise_check, require, solution_module
 from ..models import flat_params
+from ..races import agreed_key, rank_zero_last
 from ..runtime import device_ids
 from ..timing import Timer
 
@@ -428,17 +429,6 @@ def _mean_gradients(model: nn.Module, x, y) -> dict[str, torch.Tensor | None]:
     return grads
 
 
-def _probe_key(device: torch.device) -> str:
-    """A store key prefix every rank agrees on, new for each watched step: rank 0 counts the
-    steps in the store and broadcasts the count."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    count = _get_default_store().add("ddp_from_scratch/steps", 1) if dist.get_rank() == 0 else 0
-    token = torch.tensor([count], device=device)
-    dist.broadcast(token, src=0)
-    return f"ddp_from_scratch/step/{int(token.item())}"
-
-
 def _safely(label: str, cases: Callable[[], list[Case]]) -> list[Case]:
     """cases(), or one failed case naming what the learner's functions raised (so that the
     cases before it, e.g. wrong buckets, still show)."""
@@ -447,6 +437,12 @@ def _safely(label: str, cases: Callable[[], list[Case]]) -> list[Case]:
     except Exception as e:  # noqa: BLE001 - a crashing answer is a wrong answer
         first = (str(e).splitlines() or [""])[0]
         return [Case(label, False, f"your functions raised {type(e).__name__}: {first}")]
+
+
+def _grads(model: nn.Module) -> dict:
+    """Each parameter's gradient, copied to the CPU (None where there is none)."""
+    return {n: None if p.grad is None else p.grad.detach().clone().cpu()
+            for n, p in model.named_parameters()}
 
 
 def _others_returned(key: str, world_size: int) -> bool:
@@ -464,10 +460,13 @@ def _others_returned(key: str, world_size: int) -> bool:
 
 
 def watch_step(setup: Callable, sync: Callable, model: nn.Module, namespace: dict,
-               forced: bool) -> Step:
+               forced: bool, late: bool = False) -> Step:
     """One step of a version (setup(model) -> state, then sync(state) after backward), watched
     by the Ledger and by hooks that count the gradients as backward makes them. forced: ranks
-    1.. finish backward before rank 0 begins its own (through the store, not a collective)."""
+    1.. finish backward before rank 0 begins its own (through the store, not a collective).
+    late: rank 0 calls sync only once the others' sync returned (races.rank_zero_last), so that
+    a sync that returns before its all_reduce finished (async_op=True, never waited) hands
+    back gradients that cannot be the mean, every run: the race made certain, not left to luck."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     from ..ledger import Ledger
@@ -480,7 +479,7 @@ def watch_step(setup: Callable, sync: Callable, model: nn.Module, namespace: dic
     names, ready, at_call = _names(model), [], []
     hooks = [p.register_post_accumulate_grad_hook(lambda p: ready.append(names[id(p)]))
              for p in model.parameters() if p.requires_grad]
-    key = _probe_key(device) if forced else ""
+    key = agreed_key("ddp_from_scratch/step", device) if forced or late else ""
     others = None
     try:
         with Ledger(on_call=lambda call: at_call.append(len(ready))) as ledger:
@@ -490,12 +489,14 @@ def watch_step(setup: Callable, sync: Callable, model: nn.Module, namespace: dic
             in_backward = len(ledger.calls)
             if forced and rank != 0:
                 _get_default_store().set(f"{key}/{rank}", "returned")
-            sync(state)
+            if late:
+                grads = rank_zero_last(key, lambda: sync(state), lambda _: _grads(model))
+            else:
+                sync(state)
+                grads = _grads(model)
     finally:
         for h in hooks:
             h.remove()
-    grads = {n: None if p.grad is None else p.grad.detach().cpu()
-             for n, p in model.named_parameters()}
     return Step(grads, {n: None if g is None else g.cpu() for n, g in expected.items()},
                 ledger.calls, at_call, in_backward, ready, others)
 
@@ -555,7 +556,8 @@ def check_naive_ddp(namespace: dict) -> list[Case]:
     fns = dict(zip(FUNCTIONS["naive_ddp"], require(namespace, *FUNCTIONS["naive_ddp"])))
 
     def one_step() -> list[Case]:
-        step = watch_step(lambda m: m, fns["naive_average"], odd_model(), namespace, False)
+        step = watch_step(lambda m: m, fns["naive_average"], odd_model(), namespace, False,
+                          late=True)
         return [*_gradient_cases(step, ODD, "naive_average"), _per_gradient_case(step, ODD)]
 
     version = _build("naive", fns, fns["broadcast_parameters"], 0, "yours")
@@ -569,7 +571,8 @@ def check_flat_ddp(namespace: dict) -> list[Case]:
     flat_average = require(namespace, "flat_average")
 
     def one_step() -> list[Case]:
-        step = watch_step(lambda m: m, flat_average, odd_model(), namespace, forced=False)
+        step = watch_step(lambda m: m, flat_average, odd_model(), namespace, forced=False,
+                          late=True)
         size = sum(g.numel() * 4 for g in step.expected.values() if g is not None)
         one = [(c.op, c.nbytes) for c in step.calls] == [("all_reduce", size)]
         return [*_gradient_cases(step, ODD, "flat_average"),

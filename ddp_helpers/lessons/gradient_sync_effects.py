@@ -378,7 +378,35 @@ def average_cases(rank: int, world_size: int, average) -> dict:
         out["calls"] = [c.text() for c in ledger.calls]
         if "error" not in out:
             out["kit"] = _averaged_training(average_parameters, device, rank)
+            out["buffers"] = _with_buffers(average, device, rank, world_size)
         return out
+
+
+def buffered_model() -> nn.Module:
+    """Linear(5, 3) + BatchNorm1d(3): buffers beside the parameters (running mean and variance,
+    float; num_batches_tracked, int64), the feature the lesson says needs its own handling."""
+    return nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3))
+
+
+def _with_buffers(average, device: torch.device, rank: int, world_size: int) -> dict:
+    """`average` on a model with BatchNorm whose parameters and statistics differ per rank:
+    its parameters after it, the mean expected, and its buffers before and after."""
+    model = buffered_model().to(device)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), rank_values(model, rank)):
+            p.copy_(value)
+    g = torch.Generator().manual_seed(2_000 + rank)
+    model(torch.randn(4, 5, generator=g).to(device))  # train mode: rank's own statistics
+    everyone = [torch.cat([v.double().flatten() for v in rank_values(model, r)])
+                for r in range(world_size)]
+    before = {n: b.detach().clone().cpu() for n, b in model.named_buffers()}
+    try:
+        average(model, world_size)
+    except Exception as e:  # noqa: BLE001 - the learner's error is the result to report
+        return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+    return {"params": flat_params(model), "expected": torch.stack(everyone).mean(0),
+            "before": before,
+            "after": {n: b.detach().clone().cpu() for n, b in model.named_buffers()}}
 
 
 def _averaged_training(average, device: torch.device, rank: int) -> torch.Tensor:
@@ -404,13 +432,32 @@ def _averaged_training(average, device: torch.device, rank: int) -> torch.Tensor
 
 @exercise_check("average_parameters", "file")
 def check_average_parameters(module) -> list:
-    """On 3 ranks: parameters that differ on every rank become their mean, the same on every
-    rank, bit for bit; then a short training with DDP's sync off, averaging every 3 steps with
-    the learner's function, keeps the ranks equal after each average and matches the kit's."""
+    """On 3 ranks, then on 2: parameters that differ on every rank become their mean, the same
+    on every rank, bit for bit; then (3 ranks) a short training with DDP's sync off, averaging
+    every 3 steps with the learner's function, keeps the ranks equal after each average and
+    matches the kit's. Two sizes, so that neither a written-in 2 nor a written-in 3 passes."""
     mine = require(module, "average_parameters")
-    results = dh.launch(average_cases, args=(AVERAGE_RANKS, mine), nprocs=AVERAGE_RANKS,
-                        timeout=90, output="none")
-    once = "3 ranks, parameters of 15, 3, 3 and 1 numbers, different on every rank"
+    cases, results = [], {}
+    for n in (AVERAGE_RANKS, 2):
+        results[n] = dh.launch(average_cases, args=(n, mine), nprocs=n, timeout=90,
+                               output="none")
+        cases += _once_cases(results[n], n)
+        if any(not c.ok for c in cases):
+            return cases
+    results = results[AVERAGE_RANKS]
+    train = f"{AVERAGE_STEPS} steps with DDP's sync off, averaging every {AVERAGE_EVERY}"
+    after = [s - 1 for s in range(AVERAGE_EVERY, AVERAGE_STEPS + 1, AVERAGE_EVERY)]
+    cases += [case(f"{train}: rank {r['rank']} == rank 0 after steps "
+                   f"{', '.join(str(s + 1) for s in after)}, bit for bit", r["trained"][after],
+                   results[0]["trained"][after], rtol=0, atol=0) for r in results[1:]]
+    cases += [case(f"{train}: rank {r['rank']}'s parameters after every step, against the "
+                   "kit's average_parameters", r["trained"], r["kit"]) for r in results]
+    return cases
+
+
+def _once_cases(results: list[dict], n: int) -> list:
+    """One average on `n` ranks: each rank's parameters are the mean, and equal rank 0's."""
+    once = f"{n} ranks, parameters of 15, 3, 3 and 1 numbers, different on every rank"
     cases = []
     for r in results:
         label = f"{once}: rank {r['rank']}'s parameters after one average"
@@ -422,16 +469,26 @@ def check_average_parameters(module) -> list:
         cases.append(Case(label, got.ok, got.detail + ("" if got.ok else called)))
     if any(not c.ok for c in cases):
         return cases
-    cases += [case(f"{once}: rank {r['rank']}'s average == rank 0's, bit for bit", r["once"],
-                   results[0]["once"], rtol=0, atol=0) for r in results[1:]]
-    train = f"{AVERAGE_STEPS} steps with DDP's sync off, averaging every {AVERAGE_EVERY}"
-    after = [s - 1 for s in range(AVERAGE_EVERY, AVERAGE_STEPS + 1, AVERAGE_EVERY)]
-    cases += [case(f"{train}: rank {r['rank']} == rank 0 after steps "
-                   f"{', '.join(str(s + 1) for s in after)}, bit for bit", r["trained"][after],
-                   results[0]["trained"][after], rtol=0, atol=0) for r in results[1:]]
-    cases += [case(f"{train}: rank {r['rank']}'s parameters after every step, against the "
-                   "kit's average_parameters", r["trained"], r["kit"]) for r in results]
-    return cases
+    cases += [case(f"{once}: rank {r['rank']}'s average == rank 0's, bit for bit",
+                   r["once"], results[0]["once"], rtol=0, atol=0) for r in results[1:]]
+    return cases + [_buffer_case(r["buffers"], f"{n} ranks, rank {r['rank']}") for r in results]
+
+
+def _buffer_case(got: dict, where: str) -> Case:
+    """A model with BatchNorm: its parameters averaged, and its buffers either left as they
+    were or (the float ones) averaged too; num_batches_tracked, an int64, never divided."""
+    label = f"{where}: Linear + BatchNorm1d (buffers beside the parameters)"
+    if "error" in got:
+        return Case(label, False, f"your function raised {got['error']} (BatchNorm's "
+                                  "num_batches_tracked is an int64 buffer, not a parameter)")
+    params = case(f"{label}: parameters after one average", got["params"], got["expected"])
+    if not params.ok:
+        return params
+    counted = got["after"]["1.num_batches_tracked"].item()
+    if counted != got["before"]["1.num_batches_tracked"].item():
+        return Case(label, False, f"num_batches_tracked became {counted}: it counts batches, "
+                                  "it is not averaged")
+    return Case(label, True)
 
 
 @exercise_check("scaled_lr", "file")

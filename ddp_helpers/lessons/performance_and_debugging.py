@@ -604,7 +604,8 @@ def _launch_failure(e: Exception) -> str:
 @exercise_check("even_batches", "file")
 def check_even_batches(module) -> list:
     """On 2 and 3 ranks, each told only its own batch count: every rank runs min(counts)
-    all-reduces of the gradient (seen in its Ledger) and returns the loss summed over ranks."""
+    all-reduces of the gradient (seen in its Ledger) and returns the loss summed over ranks
+    (a number, or a tensor holding one number in any shape)."""
     fn = require(module, "even_batches")
     cases = []
     for batches in EVEN_CASES:
@@ -618,9 +619,17 @@ def check_even_batches(module) -> list:
             continue
         cases.append(case(f"{label}: gradient all-reduces on ranks 0..{n - 1}",
                           [r["steps"] for r in runs], [min(batches)] * n))
-        cases.append(case(f"{label}: the loss each rank returned", [r["loss"] for r in runs],
-                          [float(min(batches) * n)] * n))
+        cases.append(case(f"{label}: the loss each rank returned",
+                          [_number(r["loss"]) for r in runs], [float(min(batches) * n)] * n))
     return cases
+
+
+def _number(loss):
+    """A loss given as a one-element tensor of any shape ([], [1], [1, 1]) read as its number,
+    as loss.item() reads it: the exercise asks for the value, not for one shape of it."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.item()
+    return loss
 
 
 # What was all-reduced, and in how long: the function takes bytes, so a bfloat16 or float64

@@ -346,7 +346,11 @@ def torchrun_report() -> str | None:
 
 def _env_report_decoyed(rank: int, fn, world_size: int) -> dict:
     """On a rank: the learner's env_report called with rank and world_size both -1, so that
-    only os.environ can give the right values."""
+    only os.environ can give the right values; and the local variables set as torchrun sets
+    them for 2 ranks per node (rank 2 is local rank 0 of the second node), so that reading
+    LOCAL_RANK or LOCAL_WORLD_SIZE for the global values FAILs (dh.launch sets them equal)."""
+    os.environ["LOCAL_RANK"] = str(rank % 2)
+    os.environ["LOCAL_WORLD_SIZE"] = str(min(2, world_size - rank // 2 * 2))
     return fn(-1, -1)
 
 
@@ -358,7 +362,8 @@ def check_env_report(module) -> list[Case]:
     cases = []
     for nprocs, fn, args, how in ((2, env_report, (2,), ""),
                                   (3, _env_report_decoyed, (env_report, 3),
-                                   " (called with rank=-1, world_size=-1)")):
+                                   " (called with rank=-1, world_size=-1, 2 ranks per "
+                                   "node)")):
         port = free_port()
         reports = launch(fn, args=args, nprocs=nprocs, timeout=60, output="none",
                          master_port=port)
