@@ -268,7 +268,7 @@ def verdict(pool, source: str) -> str:
 
 def test_zero1_solution_passes_on_two_ranks(pool):
     line = verdict(pool, exercises.solution_source("zero1"))
-    assert line == "PASS zero1: 28 of 28 cases", line
+    assert line == "PASS zero1: 70 of 70 cases at world sizes 2 and 3", line
 
 
 def test_zero1_template_is_not_attempted(pool):
@@ -282,3 +282,11 @@ def test_zero1_shards_that_drop_the_remainder_fail_on_two_ranks(pool):
     line = verdict(pool, source)
     assert line.startswith("FAIL zero1: rank 0: a 139-parameter model (139 parameters, 2 ranks): "
                            "make_shard(model): this rank's slice: got (69,), expected (70,)"), line
+
+
+def test_zero1_with_the_world_size_written_in_fails_at_three_ranks(pool):
+    source = exercises.solution_source("zero1").replace(
+        "world, rank = dist.get_world_size(), dist.get_rank()", "world, rank = 2, dist.get_rank()")
+    assert source.count("world, rank = 2,") == 2
+    line = verdict(pool, source)
+    assert line.startswith("FAIL zero1: world size 3: rank 0: "), line
