@@ -123,6 +123,41 @@ lesson.peak_kib(tracker), ledger.counts()""")
         assert 0 < peak["unsharded parameters then"] <= 4 * PSI / 1024 < peak["peak"]
 
 
+def test_fsdp2_holds_the_root_or_every_block_between_forward_and_backward(pool, fsdp2_here):
+    # The notebook's compared cell: what stays unsharded between forward and backward does not
+    # depend on when gloo frees buffers (the peaks do: they are only printed, as ranges).
+    rounds = pool.run("lesson.fsdp2_peak_rounds(rank, world_size, device, rounds=2)")
+    root = (4 * (128 * 32 + 128) + 4 * (128 * 10 + 10)) / 1024  # the first and last layers
+    assert round(root, 1) == 21.5
+    for per_rank in rounds:
+        assert [p["unsharded between"] for p in per_rank[True]] == [21.5, 21.5]
+        assert [p["unsharded between"] for p in per_rank[False]] == [round(4 * PSI / 1024, 1)] * 2
+        assert all(p["peak"] > 4 * PSI / 1024 for k in (True, False) for p in per_rank[k])
+    text = lesson.compare_fsdp2_peaks(rounds)
+    assert "(default)  21.5 KiB in every round on every rank" in text
+    assert "kept for backward                  215 KiB in every round on every rank" in text
+    assert "KiB at the peak: peak " in lesson.describe_fsdp2_peaks(rounds)
+
+
+def test_step_peaks_beside_kept_memory(pool, runs, fsdp2_here):
+    # Measured: DDP 1075.2 KiB, ZeRO-1 torch 878.1/686.1, by hand 1612.8, FSDP2 746.7 (2.14.1);
+    # only the orderings with a wide margin are asserted, as the notebook compares them.
+    peaks = pool.run("lesson.step_peaks(rank, world_size, device)")
+    for per_rank in peaks:
+        assert per_rank["zero1 (yours)"] > per_rank["ddp"] + 300
+        assert per_rank["fsdp2"] < per_rank["ddp"] - 100
+    text = lesson.compare_peaks(runs, peaks)
+    assert "NO" not in text and text.count("yes") == 3, text
+    assert "kept after a step / peak during a step" in lesson.describe_peaks(runs, peaks)
+
+
+def test_the_zero_papers_example():
+    text = lesson.zero_paper_example(psi=7.5e9, n=64)
+    for line in ("DDP             120.0", "ZeRO-1           31.4", "ZeRO-2           16.6",
+                 "ZeRO-3 (FSDP)     1.9"):
+        assert line in text, text
+
+
 def test_fsdp2_collectives_per_module(pool, fsdp2_here):
     if not fsdp2_here:
         pytest.skip("FSDP2 does not run on a CPU mesh with this torch")
@@ -193,6 +228,24 @@ seen""")
         assert per_rank[2:] == [((3, 6_352), (3, 6_352))] * 6
 
 
+def test_powersgd_ledgers_tap_and_dist_all_reduce_see_every_step(pool):
+    seen = pool.run("lesson.powersgd_ledgers(rank, world_size, device, steps=6)")
+    for per_rank in seen:
+        assert per_rank["tapped ledger"] == per_rank["dist.all_reduce"] == 6
+        assert 0 <= per_rank["plain ledger"] <= 6  # depends on the load: never asserted
+
+
+def test_a_longer_budget_narrows_powersgds_gap(pool, hooked):
+    longer = pool.run("[lesson.compressed_training(h, rank, world_size, device, steps=240) "
+                      "for h in ('none', 'powersgd rank 1', 'powersgd rank 4')]")
+    assert {r["hook"]: r["bytes"] for r in longer[0]} == {
+        "none": 52_848_000, "powersgd rank 1": 1_952_176, "powersgd rank 4": 4_996_672}
+    assert "in 240 steps" in lesson.describe_bytes(longer)
+    text = lesson.describe_longer(hooked, longer)
+    assert text.count(": yes") == 2, text
+    assert "fp16" not in text
+
+
 def test_the_bf16_hook_runs_where_gloo_sums_bfloat16(pool):
     status = pool.run("lesson.hook_status('bf16', device)")[0]
     sums = pool.run("t = torch.ones(2, dtype=torch.bfloat16)\n"
@@ -215,7 +268,7 @@ def verdict(pool, source: str) -> str:
 
 def test_zero1_solution_passes_on_two_ranks(pool):
     line = verdict(pool, exercises.solution_source("zero1"))
-    assert line == "PASS zero1: 28 of 28 cases", line
+    assert line == "PASS zero1: 70 of 70 cases at world sizes 2 and 3", line
 
 
 def test_zero1_template_is_not_attempted(pool):
@@ -229,3 +282,11 @@ def test_zero1_shards_that_drop_the_remainder_fail_on_two_ranks(pool):
     line = verdict(pool, source)
     assert line.startswith("FAIL zero1: rank 0: a 139-parameter model (139 parameters, 2 ranks): "
                            "make_shard(model): this rank's slice: got (69,), expected (70,)"), line
+
+
+def test_zero1_with_the_world_size_written_in_fails_at_three_ranks(pool):
+    source = exercises.solution_source("zero1").replace(
+        "world, rank = dist.get_world_size(), dist.get_rank()", "world, rank = 2, dist.get_rank()")
+    assert source.count("world, rank = 2,") == 2
+    line = verdict(pool, source)
+    assert line.startswith("FAIL zero1: world size 3: rank 0: "), line

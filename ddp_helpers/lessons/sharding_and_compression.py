@@ -108,7 +108,139 @@ def peak_kib(tracker) -> dict[str, float]:
     snapshot = next(iter(tracker.get_tracker_snapshot("peak").values()))
     by_name = {getattr(kind, "value", kind): n for kind, n in snapshot.items()}
     return {"peak": round(by_name["Total"] / 1024, 1),
-            "unsharded parameters then": round(by_name.get("Unsharded Param", 0) / 1024, 1)}
+            "unsharded parameters then": round(by_name.get("Unsharded Param", 0) / 1024, 1),
+            "all-gather buffers then": round(by_name.get("All Gather", 0) / 1024, 1)}
+
+
+def step_peak_kib(kind: str, rank: int, world_size: int, device: torch.device,
+                  namespace: dict | None = None) -> float:
+    """The peak KiB of tensors alive during one whole step (forward, backward, optimizer step)
+    of `kind`, the second step of a fresh run (the first creates Adam's state), as torch's
+    MemTracker (FSDPMemTracker for FSDP2) sees it on this rank's thread."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = mlp(0).to(device)
+    module, step, opt = setup_training(kind, model, device, namespace)
+    with quiet_fsdp2():
+        for i in range(2):
+            if i == 1:
+                if kind == "fsdp2":
+                    tracker = FSDPMemTracker(model, opt)
+                else:
+                    tracker = MemTracker()
+                    tracker.track_external(model, opt)
+            x, y = rank_batch(i, rank, world_size, device)
+            with tracker if i == 1 else contextlib.nullcontext():
+                F.cross_entropy(module(x), y).backward()
+                step()
+                model.zero_grad(set_to_none=False)
+    return peak_kib(tracker)["peak"]
+
+
+def step_peaks(rank: int, world_size: int, device: torch.device,
+               namespace: dict | None = None) -> dict[str, float]:
+    """step_peak_kib for each of the four ways to train, on this rank."""
+    return {kind: step_peak_kib(kind, rank, world_size, device, namespace) for kind in KINDS}
+
+
+def describe_peaks(runs: list[list[dict]], peaks: list[dict[str, float]]) -> str:
+    """Per way and rank: the KiB kept after the first step (parameters, gradients, optimizer
+    state, copies) beside the peak of a whole step."""
+    lines = ["KiB per rank: kept after a step / peak during a step"]
+    for i, first in enumerate(runs[0]):
+        kind = first["kind"]
+        cells = "  ".join(f"rank {r}: {sum(per_rank[i]['memory'].values()) / 1024:6.1f} / "
+                          f"{peaks[r][kind]:6.1f}" for r, per_rank in enumerate(runs))
+        lines.append(f"  {kind:<14} {cells}")
+    return "\n".join(lines)
+
+
+def compare_peaks(runs: list[list[dict]], peaks: list[dict[str, float]]) -> str:
+    """The orderings of describe_peaks that hold by a wide margin (compared by nbval)."""
+    kept = [{r["kind"]: sum(r["memory"].values()) / 1024 for r in per_rank} for per_rank in runs]
+    above = all(peaks[r][k] > kept[r][k] for r in range(len(runs)) for k in KINDS)
+    yours = all(p["zero1 (yours)"] == max(p.values()) > p["ddp"] for p in peaks)
+    fsdp2 = all(p["fsdp2"] < p["ddp"] for p in peaks)
+    yes = {True: "yes", False: "NO"}
+    return (f"on every rank: every way's peak above what it keeps: {yes[above]}\n"
+            f"  hand-written ZeRO-1's peak the highest of the four: {yes[yours]}\n"
+            f"  FSDP2's peak below DDP's: {yes[fsdp2]}")
+
+
+def fsdp2_peak_rounds(rank: int, world_size: int, device: torch.device,
+                      rounds: int = 3) -> dict[bool, list[dict[str, float]]]:
+    """For reshard_after_forward True and False, `rounds` fresh FSDP2 models: peak_kib of the
+    forward and backward of each one's second step (the first sets FSDP2's order up)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    fully_shard = compat.fsdp2_fully_shard()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world_size,))
+    out: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    for reshard in (True, False):
+        for _ in range(rounds):
+            model = mlp(0).to(device)
+            for block in blocks_of(model):
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.Adam(model.parameters(), lr=LR)
+            for i in range(2):
+                x, y = rank_batch(i, rank, world_size, device)
+                tracker = FSDPMemTracker(model, opt)
+                with quiet_fsdp2(), tracker:
+                    loss = F.cross_entropy(model(x), y)
+                    between = _unsharded_kib(model)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+            out[reshard].append({**peak_kib(tracker), "unsharded between": between})
+    return out
+
+
+def _unsharded_kib(model: nn.Module) -> float:
+    """KiB of the parameters that are whole tensors right now: FSDP2 registers a group's
+    unsharded parameters in place of its DTensors from its all-gather until it reshards."""
+    return round(sum(p.numel() * p.element_size() for p in model.parameters()
+                     if not hasattr(p, "to_local")) / 1024, 1)
+
+
+def describe_fsdp2_peaks(rounds: list[dict]) -> str:
+    """The range over rounds and ranks of each peak_kib entry, per setting."""
+    lines = []
+    for reshard, label in ((True, "resharded after forward (default)"),
+                           (False, "kept for backward")):
+        seen = [p for per_rank in rounds for p in per_rank[reshard]]
+        cells = ", ".join(f"{k} {min(p[k] for p in seen):g}-{max(p[k] for p in seen):g}"
+                          for k in seen[0] if k != "unsharded between")
+        lines.append(f"{label}, {len(seen)} rounds x ranks, KiB at the peak: {cells}")
+    return "\n".join(lines)
+
+
+def compare_fsdp2_peaks(rounds: list[dict]) -> str:
+    """What each setting holds unsharded between forward and backward (deterministic), and
+    whether every round on every rank held the same."""
+    lines = ["unsharded parameters between forward and backward:"]
+    for reshard, label in ((True, "resharded after forward (default)"),
+                           (False, "kept for backward")):
+        seen = {p["unsharded between"] for per_rank in rounds for p in per_rank[reshard]}
+        value = f"{seen.pop():g} KiB in every round on every rank" if len(seen) == 1 else \
+            f"differs between rounds: {sorted(seen)}"
+        lines.append(f"  {label:<34} {value}")
+    return "\n".join(lines)
+
+
+def zero_paper_example(psi: float = 7.5e9, n: int = 64) -> str:
+    """The ZeRO paper's example (Rajbhandari et al., 2020, figure 1): mixed-precision Adam,
+    2 bytes per parameter and per gradient, 12 of optimizer state (float32 master weights and
+    the two moments), per GPU for each stage; activations and buffers not counted."""
+    p, g, k = 2 * psi, 2 * psi, 12 * psi
+    stages = {"DDP": p + g + k, "ZeRO-1": p + g + k / n, "ZeRO-2": p + (g + k) / n,
+              "ZeRO-3 (FSDP)": (p + g + k) / n}
+    lines = [f"{psi / 1e9:g}B parameters, {n} GPUs, mixed-precision Adam: GB per GPU"]
+    lines += [f"  {name:<14} {b / 1e9:6.1f}" for name, b in stages.items()]
+    return "\n".join(lines)
 
 
 def formulas(psi: int, world_size: int) -> dict[str, dict[str, float]]:
@@ -247,8 +379,10 @@ def fsdp2_status(device: torch.device) -> str:
 # ---------------------------------------------------------------- comparing the four
 
 
-def describe_memory(records: list[list[dict]], world_size: int) -> str:
-    """Bytes per rank for each way of training, beside the formula (deterministic)."""
+def describe_memory(records: list[list[dict]], world_size: int | None = None) -> str:
+    """Bytes per rank for each way of training, beside the formula (deterministic); the world
+    size is the number of ranks that returned records unless given."""
+    world_size = world_size or len(records)
     psi = param_count(mlp())
     expected = formulas(psi, world_size)
     lines = [f"{psi:,} parameters, fp32 Adam, {world_size} ranks; KiB held by each rank "
@@ -552,7 +686,8 @@ def check_zero1(namespace: dict) -> list[Case]:
     gradients reduced (reduce_scatter or all_reduce) before optimizer.step(), the updated
     slices shared (all_gather, or a broadcast from each rank) after it."""
     make_shard, zero1_step = require(namespace, "make_shard", "zero1_step")
-    rank, world_size, device = namespace["rank"], namespace["world_size"], namespace["device"]
+    # The group this check runs in, not the notebook's variables: it may run at another size.
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), namespace["device"]
     # Every rank runs both models whatever its own verdict: a rank that stopped early would
     # leave the others waiting in the next model's collectives.
     return [c for label, build in ZERO1_MODELS
@@ -625,6 +760,43 @@ def compressed_training(hook: str, rank: int, world_size: int, device: torch.dev
             "calls": calls, "params": full_params(ddp.module)}
 
 
+def powersgd_ledgers(rank: int, world_size: int, device: torch.device,
+                     steps: int = 20) -> dict[str, int]:
+    """PowerSGD (rank 1) for 2 plain steps and then `steps`: in how many of those the plain
+    Ledger, the tapped one, and a count of dist.all_reduce calls saw all three all-reduces."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from ..ledger import Ledger
+
+    ddp = DDP(mlp(0).to(device), device_ids=device_ids(device))
+    ddp.register_comm_hook(powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2),
+        powerSGD_hook.powerSGD_hook)
+    seen = {"plain ledger": 0, "tapped ledger": 0, "dist.all_reduce": 0}
+    for i in range(2 + steps):
+        x, y = rank_batch(i, rank, world_size, device)
+        with Ledger() as plain, Ledger(tap=True) as tapped, all_reduce_bytes() as sent:
+            F.cross_entropy(ddp(x), y).backward()
+        if i >= 2:
+            seen["plain ledger"] += plain.counts().get("all_reduce", 0) == 3
+            seen["tapped ledger"] += tapped.counts().get("all_reduce", 0) == 3
+            seen["dist.all_reduce"] += len(sent) == 3
+    return seen
+
+
+def describe_longer(short: list[list[dict]], longer: list[list[dict]]) -> str:
+    """For each hook run at both budgets: its accuracy gap to uncompressed after each, and
+    whether the longer budget narrowed it (rank 0; every rank holds the same model)."""
+    def gaps(runs):
+        base = next(r["accuracy"] for r in runs[0] if r["hook"] == "none")
+        return {r["hook"]: base - r["accuracy"] for r in runs[0] if r["hook"] != "none"}
+    before, after = gaps(short), gaps(longer)
+    n_short, n_long = len(short[0][0]["losses"]), len(longer[0][0]["losses"])
+    return "\n".join(f"  {hook:<16} behind uncompressed by less after {n_long} steps than "
+                      f"after {n_short}: {'yes' if after[hook] < before[hook] else 'no'}"
+                      for hook in after if hook in before)
+
+
 def hook_status(hook: str, device: torch.device) -> str:
     """"ran" if DDP with `hook` runs a backward on this backend; else the first words of the
     refusal."""
@@ -685,7 +857,7 @@ def describe_bytes(runs: list[list[dict]]) -> str:
     """Bytes each rank put into all-reduces over the budget, per hook (deterministic)."""
     base = runs[0][0]["bytes"]
     same = all(r[i]["bytes"] == runs[0][i]["bytes"] for r in runs for i in range(len(r)))
-    lines = [f"bytes all-reduced by each rank in {COMPRESS_STEPS} steps "
+    lines = [f"bytes all-reduced by each rank in {len(runs[0][0]['losses'])} steps "
              f"(the same on every rank: {'yes' if same else 'NO'})"]
     lines += [f"  {r['hook']:<16} {r['bytes']:>11,} B  ({r['bytes'] / base:.3f} of fp32), "
               f"all-reduce calls in the first step {r['calls'][0]}, in the last {r['calls'][-1]}"
