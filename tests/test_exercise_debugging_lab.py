@@ -65,6 +65,10 @@ WRONG_FIXES = {  # name: {label: (source, text the FAIL must name)}
         "summed, not averaged": (
             edit("report_loss", "    avg /= dist.get_world_size()\n", ""),
             "what rank 0 returned: at step 4: got 13"),
+        "printed on every rank": (
+            edit("report_loss", "if dist.get_rank() == 0:", "if dist.get_rank() >= 0:"),
+            "2 ranks, steps 0..9: rank 1 prints nothing (only rank 0 prints): it printed 2 "
+            "line(s)"),
     },
     "class_counts": {
         "bincount without minlength": (

@@ -11,6 +11,8 @@ kit within a second (a mismatched collective) or by the launch's timeout, never 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 
 import torch
@@ -179,13 +181,15 @@ def check_hang_step(answer) -> list[Case]:
     return _integer_case("the step rank 0 was waiting at", answer, LOG_EVERY - 1, "step")
 
 
-def _report_loss_run(rank: int, world_size: int, fn) -> list:
+def _report_loss_run(rank: int, world_size: int, fn) -> dict:
+    """What fn returned at each step on this rank, and what it printed (only rank 0 may)."""
     with process_group(rank, world_size, verbose=False, timeout_s=LAUNCH_TIMEOUT):
-        out = []
-        for step in range(2 * LOG_EVERY):
-            got = fn(torch.tensor(10.0 - step + rank), step)
-            out.append(float(got) if isinstance(got, (int, float, torch.Tensor)) else got)
-        return out
+        out, printed = [], io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            for step in range(2 * LOG_EVERY):
+                got = fn(torch.tensor(10.0 - step + rank), step)
+                out.append(float(got) if isinstance(got, (int, float, torch.Tensor)) else got)
+        return {"returns": out, "printed": printed.getvalue()}
 
 
 @exercise_check("report_loss", "file", hints=(
@@ -195,7 +199,7 @@ def _report_loss_run(rank: int, world_size: int, fn) -> list:
               "rank test to the print alone.")
 def check_report_loss(module) -> list[Case]:
     """On 2 and 3 ranks, 10 steps: every 5th step every rank gets the loss averaged over the
-    ranks, other steps None, and nothing hangs."""
+    ranks, other steps None, nothing hangs, and no rank but rank 0 prints."""
     fn = require(module, "report_loss")
 
     def one(n: int) -> list[Case]:
@@ -203,10 +207,18 @@ def check_report_loss(module) -> list[Case]:
         runs = _launched(label, _report_loss_run, n, fn)
         mean = [10.0 - s + (n - 1) / 2 for s in range(2 * LOG_EVERY)]
         expected = [m if s % LOG_EVERY == LOG_EVERY - 1 else None for s, m in enumerate(mean)]
-        return [_returns_case(f"{label}: what rank {r} returned", got, expected)
-                for r, got in enumerate(runs)]
+        cases = [_returns_case(f"{label}: what rank {r} returned", run["returns"], expected)
+                 for r, run in enumerate(runs)]
+        return cases + [_silent_case(f"{label}: rank {r} prints nothing (only rank 0 prints)",
+                                     run["printed"]) for r, run in enumerate(runs) if r > 0]
 
     return _per_world_size(one)
+
+
+def _silent_case(label: str, printed: str) -> Case:
+    lines = printed.splitlines()
+    return Case(label, not lines, f"it printed {len(lines)} line(s), the first {lines[0]!r}"
+                if lines else "")
 
 
 def _returns_case(label: str, got: list, expected: list) -> Case:
