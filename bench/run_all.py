@@ -22,6 +22,7 @@ SCRIPTS = [
     ("launch", [], ["--repeats", "5", "--slow-repeats", "2"]),
     ("ranks", [], ["--starts", "3", "--cells", "50"]),
     ("debugging", [], ["--repeats", "3"]),
+    ("exercise_checks", [], ["--repeats", "1"]),
     ("mnist_epoch", ["--results-dir", str(RESULTS)],
      ["--results-dir", str(RESULTS), "--variants", "fixed,memory"]),
     ("allreduce", [], ["--max-mib", "4", "--trials", "3"]),

@@ -24,6 +24,14 @@ def two():
 
 ADD = "            tensor += inbox\n"
 NAIVE_WRONG = {  # label: (answer, text its FAIL must name)
+    "every rank sends to every other (right sums, not through rank 0)": (
+        "import torch\nimport torch.distributed as dist\n\n\ndef naive_all_reduce(tensor):\n"
+        "    rank, n = dist.get_rank(), dist.get_world_size()\n    mine = tensor.clone()\n"
+        "    reqs = [dist.isend(mine, dst=d) for d in range(n) if d != rank]\n"
+        "    inbox = torch.empty_like(tensor)\n    for src in range(n):\n"
+        "        if src != rank:\n            dist.recv(inbox, src=src)\n"
+        "            tensor += inbox\n    for r in reqs:\n        r.wait()\n    return tensor\n",
+        "10 random floats: through rank 0: called send"),
     "all_reduce imported by name": (
         "from torch.distributed import all_reduce\n\n\ndef naive_all_reduce(tensor):\n"
         "    all_reduce(tensor)\n    return tensor\n", "10 random floats: raised _Refused"),
@@ -59,13 +67,15 @@ NAIVE_RIGHT = {
         "        for req in [dist.isend(tensor, dst=d) for d in range(1, n)]:\n"
         "            req.wait()\n    else:\n        dist.isend(tensor, dst=0).wait()\n"
         "        dist.irecv(tensor, src=0).wait()\n    return tensor\n"),
-    "every rank sends to every other": (
-        "import torch\nimport torch.distributed as dist\n\n\ndef naive_all_reduce(tensor):\n"
-        "    rank, n = dist.get_rank(), dist.get_world_size()\n    mine = tensor.clone()\n"
-        "    reqs = [dist.isend(mine, dst=d) for d in range(n) if d != rank]\n"
-        "    inbox = torch.empty_like(tensor)\n    for src in range(n):\n"
-        "        if src != rank:\n            dist.recv(inbox, src=src)\n"
-        "            tensor += inbox\n    for r in reqs:\n        r.wait()\n    return tensor\n"),
+    "rank 0 receives last rank first, sums into a new tensor, copies it in": (
+        "import torch\nfrom torch.distributed import get_rank, get_world_size, recv, send\n\n\n"
+        "def naive_all_reduce(tensor):\n    if get_rank() != 0:\n        send(tensor, 0)\n"
+        "        recv(tensor, 0)\n        return tensor\n    total = tensor.clone()\n"
+        "    for src in reversed(range(1, get_world_size())):\n"
+        "        part = torch.zeros_like(tensor)\n        recv(part, src)\n"
+        "        total = total + part\n    tensor.copy_(total)\n"
+        "    for dst in range(1, get_world_size()):\n        send(tensor, dst)\n"
+        "    return tensor\n"),
 }
 
 

@@ -128,18 +128,35 @@ def _all_reduce_inputs(rank: int) -> list[tuple[str, torch.Tensor]]:
 @exercise_check("naive_all_reduce", "ranks")
 def check_naive_all_reduce(namespace: dict) -> list[Case]:
     """naive_all_reduce(tensor) sums in place like dist.all_reduce, with send/recv only (the
-    Ledger refuses any collective, whatever name it was imported under)."""
+    Ledger refuses any collective, whatever name it was imported under), through rank 0: the
+    route the exercise asks for, not another one that gives the same sums."""
     fn = require(namespace, "naive_all_reduce")
     cases = []
     for label, data in _all_reduce_inputs(dist.get_rank()):
         expected = data.clone()
         dist.all_reduce(expected)
         got = data.clone()
-        _, error, _ = _call("naive_all_reduce", fn, got)
+        _, error, calls = _call("naive_all_reduce", fn, got)
         if error:
             return [*cases, Case(label, False, error)]
         cases.append(case(f"{label} (summed in place)", got, expected))
+        cases.append(_through_rank_zero(label, calls))
     return cases
+
+
+def _through_rank_zero(label: str, calls: list) -> Case:
+    """Rank 0 receives once from every other rank and sends once to each; every other rank
+    sends once to rank 0 and receives once from it (in any order, blocking or not)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    others = list(range(1, n))
+    want = (sorted([("recv", r) for r in others] + [("send", r) for r in others]) if rank == 0
+            else [("recv", 0), ("send", 0)])
+    got = sorted((c.op, c.peer) for c in calls)
+    called = ", ".join(c.text() for c in calls) or "no send/recv"
+    return Case(f"{label}: through rank 0", got == want,
+                f"called {called}; expected " + (
+                    f"one recv from and one send to each of ranks {others}" if rank == 0
+                    else "one send to rank 0 and one recv from rank 0"))
 
 
 def _ring_case(label: str, calls: list, mine: torch.Tensor) -> Case:
