@@ -9,11 +9,14 @@ from exercise_support import assert_all_fail, assert_all_pass, verdicts
 PREDICTIONS = {  # name: (right answers written differently, wrong answers)
     "hang_step": ([4, "4", "step 4", 4.0], [0, 5, "step 9", "rank 0", "4 or 9"]),
     "missing_label": ([9, "label 9", "9"], [0, 8, 10, "rank 1", "8 and 9"]),
-    "update_factor": ([2, 2.0, "2x", "twice", "world_size"], [1, 0.5, 4, "half", "N/2 = 1"]),
+    "update_factor": ([2, 2.0, "2x", "2.0x", "2.0 times larger", "twice", "world_size"],
+                      [1, 0.5, 4, "4.0x", "half", "N/2 = 1"]),
     "extra_batch_rank": ([0, "rank 0", "0"], [1, "rank 1", 2, "both", "3"]),
     "bad_sample": ([13, "sample 13", "13"], [1, 12, 6, "rank 1", "step 3"]),
-    "seed_differs": (["model", "model.weight", "the weights", "initial weights"],
-                     ["x", "data", "the model and x", "y", "nothing"]),
+    "seed_differs": (["model", "model.weight", "the weights", "initial weights",
+                      "the weights; the data x should differ",
+                      "model.weight and model.bias (x may differ)"],
+                     ["x", "data", "the model and x", "x, not the model", "y", "nothing"]),
     "drifting_buffer": (["model.1.running_mean", "running_var", "the BatchNorm buffers"],
                         ["model.1.weight", "model.0.weight", "bias", "gradients",
                          "num_batches_tracked"]),
@@ -62,6 +65,10 @@ WRONG_FIXES = {  # name: {label: (source, text the FAIL must name)}
         "summed, not averaged": (
             edit("report_loss", "    avg /= dist.get_world_size()\n", ""),
             "what rank 0 returned: at step 4: got 13"),
+        "printed on every rank": (
+            edit("report_loss", "if dist.get_rank() == 0:", "if dist.get_rank() >= 0:"),
+            "2 ranks, steps 0..9: rank 1 prints nothing (only rank 0 prints): it printed 2 "
+            "line(s)"),
     },
     "class_counts": {
         "bincount without minlength": (
@@ -157,10 +164,18 @@ WRONG_FIXES = {  # name: {label: (source, text the FAIL must name)}
     "epoch_orders": {
         "set_epoch forgotten (the bug)": (
             edit("epoch_orders", "        sampler.set_epoch(epoch)\n", ""),
-            "2 ranks, 10 samples, seed 0: rank 0's indices, epochs 0..2"),
+            "2 ranks, 10 samples, seed 0: a new order each epoch"),
         "set_epoch(0)": (
             edit("epoch_orders", "set_epoch(epoch)", "set_epoch(0)"),
-            "rank 0's indices, epochs 0..2"),
+            "a new order each epoch: the 3 epochs are the sampler's shuffles at epoch numbers "
+            "0, 0, 0"),
+        "set_epoch(epoch % 2)": (
+            edit("epoch_orders", "set_epoch(epoch)", "set_epoch(epoch % 2)"),
+            "epoch numbers 0, 1, 0"),
+        "a seed of each rank's own": (
+            edit("epoch_orders", "seed=seed)", "seed=seed + dist.get_rank())").replace(
+                "from torch.utils", "import torch.distributed as dist\nfrom torch.utils"),
+            "rank 1's indices, epochs 0..2"),
         "each rank its own shuffle": (
             "import random\n\nimport torch.distributed as dist\n\n\n"
             "def epoch_orders(n, epochs, seed):\n"
@@ -216,11 +231,13 @@ RIGHT_FIXES = {  # name: {label: source written differently from the kit's solut
         "import torch.distributed as dist\n\n\ndef sync_buffers(model):\n"
         "    for b in model.buffers():\n        if b.is_floating_point():\n"
         "            dist.all_reduce(b)\n            b /= dist.get_world_size()\n")},
-    "epoch_orders": {"seed + epoch, a new sampler each epoch": (
-        "from torch.utils.data import DistributedSampler\n\n\n"
-        "def epoch_orders(n, epochs, seed):\n"
-        "    return [list(DistributedSampler(range(n), shuffle=True, seed=seed + e))\n"
-        "            for e in range(epochs)]\n")},
+    "epoch_orders": {
+        "seed + epoch, a new sampler each epoch": (
+            "from torch.utils.data import DistributedSampler\n\n\n"
+            "def epoch_orders(n, epochs, seed):\n"
+            "    return [list(DistributedSampler(range(n), shuffle=True, seed=seed + e))\n"
+            "            for e in range(epochs)]\n"),
+        "epochs numbered from 1": edit("epoch_orders", "set_epoch(epoch)", "set_epoch(epoch + 1)")},
 }
 
 

@@ -97,7 +97,7 @@ def test_timed_versions_issue_the_collectives_the_notebook_prints(pool):
     times = pool.run("lesson.time_versions(None, rank, world_size, device, rounds=1)")
     for per_rank in times:
         assert list(per_rank) == ["none", "naive", "flat", "overlapped", "bucketed", "ddp"]
-        assert all(t["seconds"] > 0 for t in per_rank.values())
+        assert all(t["seconds"] > 0 and len(t["rounds"]) == 1 for t in per_rank.values())
         assert {n: t["collectives"] for n, t in per_rank.items()} == {
             "none": {}, "naive": {"all_reduce": 14}, "flat": {"all_reduce": 1},
             "overlapped": {"all_reduce": 14}, "bucketed": {"all_reduce": 4},
@@ -113,3 +113,22 @@ def test_alpha_beta_fit_recovers_a_known_line():
     alpha, bandwidth = lesson.fit_alpha_beta(sizes, seconds)
     assert alpha == pytest.approx(2e-4, rel=1e-3) and bandwidth == pytest.approx(1e9, rel=1e-3)
     assert lesson.best_bucket_bytes(2e-4, 1e9, 4e6) == pytest.approx((2e-4 * 1e9 * 4e6) ** 0.5)
+
+
+def _timed(naive: list[float], flat: list[float]) -> dict:
+    return {"naive": {"seconds": sorted(naive)[len(naive) // 2], "rounds": naive},
+            "flat": {"seconds": sorted(flat)[len(flat) // 2], "rounds": flat}}
+
+
+def test_naive_against_flat_is_counted_round_by_round_on_every_rank():
+    times = [_timed([3, 3, 1, 3], [2, 2, 2, 2]), _timed([3, 1, 1, 3], [2, 2, 2, 2])]
+    assert lesson.slower_rounds(times, "naive", "flat") == [3, 2]
+    assert lesson.describe_naive_against_flat(times).endswith("on every rank: NO")  # 2 of 4
+    times[1] = _timed([3, 3, 3, 1], [2, 2, 2, 2])
+    assert lesson.describe_naive_against_flat(times) == (
+        "naive's step longer than flat's in most of the 4 rounds, on every rank: yes")
+
+
+def test_times_table_prints_each_median_with_its_fastest_and_slowest_round():
+    table = lesson.describe_times([_timed([0.003, 0.001, 0.002], [0.002] * 3)])
+    assert table.splitlines()[1].split() == ["naive", "2.0", "(1.0-3.0)"]

@@ -262,11 +262,11 @@ def stepper(version: Version, rank: int, world_size: int,
     return one_step
 
 
-def median_seconds(steps: dict[str, Callable[[], None]], device: torch.device,
-                   rounds: int = 12, warmup: int = 3) -> dict[str, float]:
-    """Median seconds of each step function, timed in turns (one call of each per round), so
-    that a burst of load from elsewhere on the machine hits them all alike. The warm-up rounds
-    also let DDP rebuild its buckets (after its first step)."""
+def round_seconds(steps: dict[str, Callable[[], None]], device: torch.device,
+                  rounds: int = 12, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds of each step function in each round, timed in turns (one call of each per
+    round), so that a burst of load from elsewhere on the machine hits them all alike. The
+    warm-up rounds also let DDP rebuild its buckets (after its first step)."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(warmup + rounds):
         for name, step in steps.items():
@@ -274,18 +274,26 @@ def median_seconds(steps: dict[str, Callable[[], None]], device: torch.device,
                 step()
             if i >= warmup:
                 times[name].append(t.seconds)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def median_seconds(steps: dict[str, Callable[[], None]], device: torch.device,
+                   rounds: int = 12, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each step function over the rounds of round_seconds."""
+    return {name: statistics.median(ts)
+            for name, ts in round_seconds(steps, device, rounds, warmup).items()}
 
 
 def time_versions(namespace: dict | None, rank: int, world_size: int, device: torch.device,
                   bucket_mb: float = 0.5, rounds: int = 12) -> dict[str, dict]:
     """Every version on the large TiedNet, on this rank: {name: {"seconds": median step
-    seconds, "collectives": one more step's collectives, counted}}."""
+    seconds, "rounds": each round's seconds, "collectives": one more step's collectives,
+    counted}}."""
     steps = {name: stepper(make_version(name, namespace, bucket_mb, broadcast=False), rank,
                            world_size, device) for name in TIMED}
-    seconds = median_seconds(steps, device, rounds)
+    each = round_seconds(steps, device, rounds)
     sent = {name: collective_bytes(step) for name, step in steps.items()}  # one more step each
-    return {name: {"seconds": seconds[name],
+    return {name: {"seconds": statistics.median(each[name]), "rounds": each[name],
                    "collectives": {op: n for op, (n, _) in sent[name].items()},
                    "bytes": sum(b for _, b in sent[name].values())} for name in steps}
 
@@ -296,12 +304,29 @@ def median_of(times: list[dict], name: str) -> float:
 
 
 def describe_times(times: list[dict]) -> str:
-    """Step time of each version on each rank, in ms (not reproducible: a measurement)."""
-    lines = ["version      " + "".join(f"rank {r:<6}" for r in range(len(times)))]
+    """Median step time of each version on each rank, with the fastest and slowest round, in
+    ms (not reproducible: a measurement)."""
+    lines = ["version      " + "".join(f"rank {r}: median (min-max)  " for r in range(len(times)))]
     for name in times[0]:
-        lines.append(f"{name:<13}" + "".join(f"{t[name]['seconds'] * 1000:<11.1f}"
-                                            for t in times))
+        lines.append(f"{name:<13}" + "".join(
+            f"{t[name]['seconds'] * 1000:<7.1f}({min(t[name]['rounds']) * 1000:.1f}-"
+            f"{max(t[name]['rounds']) * 1000:.1f})".ljust(25) for t in times))
     return "\n".join(lines)
+
+
+def slower_rounds(times: list[dict], slow: str, fast: str) -> list[int]:
+    """On each rank, the number of rounds in which version `slow`'s step took longer than
+    `fast`'s (the two timed in the same round, so that load from elsewhere hits both)."""
+    return [sum(a > b for a, b in zip(t[slow]["rounds"], t[fast]["rounds"])) for t in times]
+
+
+def describe_naive_against_flat(times: list[dict]) -> str:
+    """Whether naive's 14 calls made its step longer than flat's one call in most rounds, on
+    every rank (the counts themselves vary from run to run: only the verdict is compared)."""
+    rounds = len(times[0]["naive"]["rounds"])
+    most = all(n > rounds / 2 for n in slower_rounds(times, "naive", "flat"))
+    return (f"naive's step longer than flat's in most of the {rounds} rounds, on every rank: "
+            f"{'yes' if most else 'NO'}")
 
 
 def describe_collectives(times: list[dict], bucket_mb: float) -> str:
@@ -715,9 +740,8 @@ def compare_with_model(sweeps: list[list[dict]], compute_s: float, alpha: float,
     above = sum(min(s[i]["seconds"] for s in sweeps) > predicted_seconds(
         compute_s, alpha, bandwidth, row["bucket_bytes"], False) for i, row in enumerate(sweeps[0]))
     lines.append(f"measured minimum (mean of the ranks): cap {fastest:g} MiB; overlap model: "
-                 f"b* = sqrt(alpha R S), R ~ B = {best:.2g} MiB (backward's gradient rate R "
-                 f"taken as this run's B); "
-                 f"no-overlap model: one bucket")
+                 f"b* = sqrt(alpha*R*S) = {best:.2g} MiB, with R (backward's gradient rate, "
+                 f"not measured) taken as this run's B; no-overlap model: one bucket")
     lines.append(f"measured above the no-overlap model at {above} of {len(sweeps[0])} caps")
     return "\n".join(lines)
 

@@ -11,6 +11,8 @@ kit within a second (a mismatched collective) or by the launch's timeout, never 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 
 import torch
@@ -179,13 +181,15 @@ def check_hang_step(answer) -> list[Case]:
     return _integer_case("the step rank 0 was waiting at", answer, LOG_EVERY - 1, "step")
 
 
-def _report_loss_run(rank: int, world_size: int, fn) -> list:
+def _report_loss_run(rank: int, world_size: int, fn) -> dict:
+    """What fn returned at each step on this rank, and what it printed (only rank 0 may)."""
     with process_group(rank, world_size, verbose=False, timeout_s=LAUNCH_TIMEOUT):
-        out = []
-        for step in range(2 * LOG_EVERY):
-            got = fn(torch.tensor(10.0 - step + rank), step)
-            out.append(float(got) if isinstance(got, (int, float, torch.Tensor)) else got)
-        return out
+        out, printed = [], io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            for step in range(2 * LOG_EVERY):
+                got = fn(torch.tensor(10.0 - step + rank), step)
+                out.append(float(got) if isinstance(got, (int, float, torch.Tensor)) else got)
+        return {"returns": out, "printed": printed.getvalue()}
 
 
 @exercise_check("report_loss", "file", hints=(
@@ -195,7 +199,7 @@ def _report_loss_run(rank: int, world_size: int, fn) -> list:
               "rank test to the print alone.")
 def check_report_loss(module) -> list[Case]:
     """On 2 and 3 ranks, 10 steps: every 5th step every rank gets the loss averaged over the
-    ranks, other steps None, and nothing hangs."""
+    ranks, other steps None, nothing hangs, and no rank but rank 0 prints."""
     fn = require(module, "report_loss")
 
     def one(n: int) -> list[Case]:
@@ -203,10 +207,18 @@ def check_report_loss(module) -> list[Case]:
         runs = _launched(label, _report_loss_run, n, fn)
         mean = [10.0 - s + (n - 1) / 2 for s in range(2 * LOG_EVERY)]
         expected = [m if s % LOG_EVERY == LOG_EVERY - 1 else None for s, m in enumerate(mean)]
-        return [_returns_case(f"{label}: what rank {r} returned", got, expected)
-                for r, got in enumerate(runs)]
+        cases = [_returns_case(f"{label}: what rank {r} returned", run["returns"], expected)
+                 for r, run in enumerate(runs)]
+        return cases + [_silent_case(f"{label}: rank {r} prints nothing (only rank 0 prints)",
+                                     run["printed"]) for r, run in enumerate(runs) if r > 0]
 
     return _per_world_size(one)
+
+
+def _silent_case(label: str, printed: str) -> Case:
+    lines = printed.splitlines()
+    return Case(label, not lines, f"it printed {len(lines)} line(s), the first {lines[0]!r}"
+                if lines else "")
 
 
 def _returns_case(label: str, got: list, expected: list) -> Case:
@@ -268,6 +280,11 @@ def check_class_counts(module) -> list[Case]:
 # ================================================================ 3. gradients summed, not averaged
 
 
+# a number with its "times" around it: "2x", "2.0x", "x2", "2 times", "2.0 times larger"
+_FACTOR = re.compile(r"(?:x|×)?\s*(-?\d+(?:\.\d*)?)\s*(?:x|×|times)?"
+                     r"(?:\s*(?:larger|bigger|as large))?")
+
+
 @exercise_check("update_factor", "prediction", 1, hints=(
     "Divide one element of a rank's update by the same element of the reference's.",
     "What did all_reduce do to the gradients, and what did nobody do after it?"),
@@ -276,11 +293,12 @@ def check_class_counts(module) -> list[Case]:
               "the ranks and never divided.")
 def check_update_factor(answer) -> list[Case]:
     """How many times larger than the reference the two-rank update is: 2 (the world size)."""
-    words = _words(answer)
-    if words in ("twice", "double", "doubled", "world_size", "2x", "x2", "2 times"):
+    words = _words(answer).strip()
+    if words in ("twice", "double", "doubled", "world_size"):
         return [Case("the factor", True)]
-    try:
-        got = float(answer)
+    times = re.fullmatch(_FACTOR, words)
+    try:  # 2, 2.0, "2.0", and "2x", "2.0x", "x2", "2 times": the number, less its "times"
+        got = float(times.group(1) if times else answer)
     except (TypeError, ValueError):
         got = integer(answer)
     if got is None:
@@ -474,6 +492,16 @@ def check_train_step(module) -> list[Case]:
 # ================================================================ 6. seeds: agree or differ
 
 
+_DATA = re.compile(r"\b(x|data|batch|input)\b")
+_NEGATED = re.compile(r"\b(not|no|never)\b|n't")
+# a clause naming the data as what may differ ("the data x should differ", "x may differ")
+_EXCUSED = re.compile(r"\b(differ\w*|may|own|allowed|fine|ok|expected|not|no|never)\b|n't")
+
+
+def _names_model(clause: str) -> bool:
+    return any(w in clause for w in ("model", "weight", "param", "init", "bias", "linear"))
+
+
 @exercise_check("seed_differs", "prediction", "x", hints=(
     "`%ranks compare model x` lists what differs; which of those should?",),
     diagnosis="compare lists both the weights and the data as different; data should differ "
@@ -481,9 +509,10 @@ def check_train_step(module) -> list[Case]:
               "depends on the rank, and averaging gradients never closes that gap.")
 def check_seed_differs(answer) -> list[Case]:
     """What differs across ranks but must not: the model's weights (the data may)."""
-    words = _words(answer)
-    right = any(w in words for w in ("model", "weight", "param", "init", "bias", "linear"))
-    wrong = re.search(r"\b(x|data|batch|input)\b", words)
+    clauses = re.split(r"[;,()]|\bbut\b", _words(answer))
+    right = any(_names_model(c) and (not _NEGATED.search(c) or _DATA.search(c))
+                for c in clauses)
+    wrong = any(_DATA.search(c) and not _EXCUSED.search(c) for c in clauses)
     if right and not wrong:
         return [Case("what must be the same on every rank", True)]
     return [Case("what must be the same on every rank", False,
@@ -609,14 +638,29 @@ def _epoch_orders_run(rank: int, world_size: int, fn, n: int, epochs: int, seed:
         return [list(map(int, o)) for o in got] if isinstance(got, (list, tuple)) else got
 
 
-def _reference_orders(n: int, epochs: int, seed: int, rank: int, world_size: int) -> list:
-    sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed)
+EPOCH_NUMBERS = 100  # the epoch numbers an answer's set_epoch may have used: 0, 1, ... 99
+
+
+def _sampler_orders(n: int, seed: int, epoch: int, world_size: int) -> list[list[int]]:
+    """Every rank's indices in DistributedSampler's shuffle of range(n) at epoch `epoch`."""
     orders = []
-    for epoch in range(epochs):
+    for rank in range(world_size):
+        sampler = DistributedSampler(range(n), num_replicas=world_size, rank=rank,
+                                     shuffle=True, seed=seed)
         sampler.set_epoch(epoch)
         orders.append(list(sampler))
     return orders
+
+
+def _epoch_numbers(runs: list, n: int, seed: int, world_size: int, epochs: int) -> list:
+    """For each epoch, the epoch number at which torch's sampler gives every rank the indices
+    it returned (None where none does): set_epoch(epoch + 1) is as right as set_epoch(epoch)."""
+    shuffles = [_sampler_orders(n, seed, k, world_size) for k in range(EPOCH_NUMBERS)]
+    numbers = []
+    for e in range(epochs):
+        got = [run[e] if isinstance(run, list) and len(run) > e else None for run in runs]
+        numbers.append(next((k for k, orders in enumerate(shuffles) if orders == got), None))
+    return numbers
 
 
 @exercise_check("epoch_orders", "file", hints=(
@@ -624,15 +668,27 @@ def _reference_orders(n: int, epochs: int, seed: int, rank: int, world_size: int
     diagnosis="print each epoch's indices on the ranks: the same list every epoch means the "
               "sampler's epoch never moved.")
 def check_epoch_orders(module) -> list[Case]:
-    """On 2 ranks (10 samples, seed 0) and 3 ranks (11 samples, seed 5), 3 epochs: each rank's
-    indices per epoch are DistributedSampler's with set_epoch(epoch)."""
+    """On 2 ranks (10 samples, seed 0) and 3 ranks (11 samples, seed 5), 3 epochs: each epoch,
+    every rank's indices are DistributedSampler's at one epoch number (any first number: 0 as
+    torch's examples, or 1), a different number each epoch."""
     fn = require(module, "epoch_orders")
 
     def one(n: int) -> list[Case]:
         samples, seed = (10, 0) if n == 2 else (11, 5)
         label = f"{n} ranks, {samples} samples, seed {seed}"
         runs = _launched(label, _epoch_orders_run, n, fn, samples, 3, seed)
-        return [case(f"{label}: rank {r}'s indices, epochs 0..2", got,
-                     _reference_orders(samples, 3, seed, r, n)) for r, got in enumerate(runs)]
+        numbers = _epoch_numbers(runs, samples, seed, n, 3)
+        first = numbers[0] if numbers[0] is not None else 0
+        wanted = [k if k is not None else first + e for e, k in enumerate(numbers)]
+        shuffles = [_sampler_orders(samples, seed, k, n) for k in wanted]
+        cases = [case(f"{label}: rank {r}'s indices, epochs 0..2", got,
+                      [orders[r] for orders in shuffles]) for r, got in enumerate(runs)]
+        found = [k for k in numbers if k is not None]
+        new_each = len(set(found)) == len(found)
+        cases.append(Case(f"{label}: a new order each epoch", new_each, "" if new_each else
+                          f"the 3 epochs are the sampler's shuffles at epoch numbers "
+                          f"{', '.join(map(str, numbers))}: an epoch repeated an earlier "
+                          f"one's order (set_epoch must change before each epoch)"))
+        return cases
 
     return _per_world_size(one)
