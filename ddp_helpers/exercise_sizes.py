@@ -146,7 +146,7 @@ def check_at(size: int, name: str, pool, other=None, timeout: float = 30) -> lis
     again on `other` (a running pool of that size) or on a pool started and stopped here.
 
     Raises NotTried when the answer cannot be rebuilt there (the verdict then says so)."""
-    from .engine.ranks import current, make_current
+    from .engine import current, make_current
 
     rebuild = "import ddp_helpers.exercises as _ex\n_ex.cells_to_rebuild(globals())"
     cells = pool.run(rebuild, targets=[0], output="none")[0]

@@ -238,6 +238,9 @@ BUCKET_STARTED = (f"{ODD}, buckets of 1088 B: one all_reduce per bucket started 
 BUCKET_LAUNCH = ("            pending.append((buckets[i], flat, dist.all_reduce(flat, "
                  "async_op=True)))")
 BUCKET_WRONG = {
+    "never waits: copies each bucket back while its sum is in flight": (
+        edit("bucketed_ddp", "        work.wait()\n        flat /=", "        flat /="),
+        f"{ODD}, buckets of 1088 B: gradient of "),
     "the sum, not the mean": (edit("bucketed_ddp", "flat /= dist.get_world_size()", "pass"),
                               f"{ODD}, buckets of 1088 B: {FIRST_GRAD} finish_buckets"),
     "divided by 2": (edit("bucketed_ddp", "flat /= dist.get_world_size()", "flat /= 2"),

@@ -35,6 +35,9 @@ BUCKET_WRONG = {  # label: (answer, text its FAIL must name)
     "async_op=True, never waited": (  # rank 0 joins last: the race is certain
         edit("bucketed_average_gradients", "dist.all_reduce(bucket)",
              "dist.all_reduce(bucket, async_op=True)"), "tiny_model: gradients: at index"),
+    "divided by a written-in 2, not world_size (the pool has 3 ranks)": (
+        edit("bucketed_average_gradients", ONE, "    dist.all_reduce(bucket)\n    bucket /= 2\n"),
+        "tiny_model: gradients: at index"),
     "divided twice": (edit("bucketed_average_gradients", ONE,
                            "    bucket /= world_size\n" + ONE), "tiny_model: gradients: at index"),
     "the first gradient only": (

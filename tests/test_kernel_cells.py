@@ -183,3 +183,21 @@ def test_post_mortem_in_the_notebook_reads_rank_1s_variables_and_the_ranks_go_on
     assert "tensor(nan)" in shown and "tensor([1., nan])" in shown and "101" in shown
     after = run(kc, "%%ranks\nt = torch.tensor([float(kept)])\ndist.all_reduce(t)\nt.item()\n")
     assert "[rank 0] Out: 201.0" in text_of(after) and "[rank 1] Out: 201.0" in text_of(after)
+
+
+def test_a_check_tries_a_second_world_size_with_the_learners_own_cells(ranks):
+    kc = ranks
+    from ddp_helpers import exercises
+
+    solution = exercises.solution_source("naive_all_reduce")
+    run(kc, "import ddp_helpers as dh")
+    run(kc, "%%ranks\nN = dist.get_world_size()\n")
+    written_in = run(kc, "%%ranks\n" + solution.replace("range(1, world_size)", "range(1, 2)"))
+    n = prompt_number(written_in)
+    failed = text_of(run(kc, 'dh.check("naive_all_reduce")'))
+    assert failed.startswith("FAIL naive_all_reduce: world size 3: your answer failed on 3 "
+                             "ranks"), failed
+    assert f"(In [{n}], line " in failed, failed  # the learner's cell, as the prompt names it
+    run(kc, "%%ranks\n" + solution.replace("range(1, world_size)", "range(1, N)"))
+    passed = text_of(run(kc, 'dh.check("naive_all_reduce")'))
+    assert passed.strip().endswith("cases at world sizes 2 and 3"), passed

@@ -137,6 +137,43 @@ def test_detail_names_the_mismatched_collectives(workdir):
     assert max(waited) < 30  # named at once, not after the group's 60 s timeout
 
 
+def test_three_ranks_in_a_monitored_barrier(capsys):
+    """Going deeper: whom rank 0 names, and the other caller pointed to rank 0's logs (the
+    timing facts are the notebook's; here only what holds however loaded the machine is)."""
+    both = dh.launch(lesson.monitored_barrier_on_ranks, args=((1, 2), 1.0, True), nprocs=3,
+                     output="none")
+    one = dh.launch(lesson.monitored_barrier_on_ranks, args=((1,), 1.0, False), nprocs=3,
+                    output="none")
+    assert lesson.named_ranks(both[0][0]) == [1, 2] and both[1][0] == both[2][0] == "busy"
+    assert lesson.named_ranks(one[0][0]) == [1] and "rank 0 logs" in one[2][0]
+    lesson.monitored_barrier_facts([both], [one], timeout_s=1.0)
+    out = capsys.readouterr().out
+    assert "rank 0 named [1, 2] in 1 of 1 rounds" in out and "rank 0 named [1] in 1 of 1" in out
+    assert "rank 2 raised, pointing to rank 0's logs, in 1 of 1 rounds" in out
+
+
+def test_a_peer_that_exits_ends_the_barrier_with_connection_closed(capsys):
+    runs = [dh.launch(lesson.barrier_after_a_peer_exits, nprocs=2, output="none")]
+    assert "Connection closed by peer" in runs[0][0][0]
+    assert runs[0][1][0] == "skipped the barrier and exited"
+    lesson.peer_exit_facts(runs)
+    assert "'Connection closed by peer' in 1 of 1 rounds" in capsys.readouterr().out
+
+
+def test_the_timing_facts_on_made_up_rounds(capsys):
+    named = "[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms"
+    late = [("[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms", 2.02),
+            ("busy", 3.0), ("busy", 3.0)]  # one timeout per missing rank: not what gloo does
+    other = [("[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms", 1.01),
+             ("busy", 3.0), ("received errors ... from rank 0. Please check rank 0 logs", 5.0)]
+    lesson.monitored_barrier_facts([[(named, 1.01), ("busy", 3), ("busy", 3)], late], [other], 1.0)
+    out = capsys.readouterr().out
+    assert "in 2 of 2 rounds" in out and "not one per missing rank): False" in out
+    assert "long before its own 5 s: False" in out
+    lesson.peer_exit_facts([[("Connection closed by peer [x]", 1800.0), ("exited", 0.5)]])
+    assert "minutes): False" in capsys.readouterr().out
+
+
 def test_message_summaries():
     assert lesson.named_ranks("[Rank 0]: Ranks 1, 2 failed to pass monitoredBarrier in 1000 ms") \
         == [1, 2]

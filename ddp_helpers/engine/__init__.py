@@ -17,7 +17,12 @@ What the rest of the kit may use is re-exported here.
 from .launch import launch
 from .magic import load_ipython_extension
 from .rank.serve import main as serve_main  # noqa: F401 - python -m ddp_helpers.serve
-from .ranks import Ranks, current, start_command  # noqa: F401 - for exercises: the pool %%ranks uses
+from .ranks import (  # noqa: F401 - for exercises: the pool %%ranks uses
+    Ranks,
+    current,
+    make_current,
+    start_command,
+)
 from .sets.base import looks_like_peer_failure
 from .sets.census import rank_descendants, wait_for_no_descendants  # noqa: F401 - for bench/
 from .sets.start import free_port

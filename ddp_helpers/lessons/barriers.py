@@ -15,6 +15,7 @@ import re
 import shutil
 import tempfile
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -104,6 +105,84 @@ def timeout_facts(errors: list[str | None], waited: list[float], timeout_s: floa
     print("gloo's message where it timed out:", timed_out[0] if timed_out else "(none)")
     print(f"the longest wait reached the group's {timeout_s:g} s timeout:",
           max(waited) >= timeout_s)
+
+
+# ---------------------------------------------------------------- three ranks (Going deeper)
+
+
+def monitored_barrier_on_ranks(rank: int, absent: tuple, timeout_s: float,
+                               wait_all_ranks: bool = False) -> tuple[str, float]:
+    """Run by dh.launch on each rank: one monitored_barrier on a gloo group made for it. The
+    ranks in `absent` are busy instead (past rank 0's timeout); rank 0 catches its error and
+    stays alive; the other ranks pass a timeout five times rank 0's. Returns this rank's
+    (first line of its error, "passed" or "busy", seconds)."""
+    from ..runtime import process_group
+
+    with process_group(backend="gloo", verbose=False):
+        group = dist.new_group(backend="gloo")
+        start = time.time()
+        if rank in absent:
+            time.sleep(timeout_s + 2)  # busy until the others are done: none of them exits
+            return "busy", time.time() - start
+        try:
+            mine = timeout_s if rank == 0 else 5 * timeout_s  # the others: a longer one
+            dist.monitored_barrier(group=group, timeout=timedelta(seconds=mine),
+                                   wait_all_ranks=wait_all_ranks)
+            what = "passed"
+        except RuntimeError as e:
+            what = first_line(e)
+        waited = time.time() - start
+        if rank == 0:
+            time.sleep(1)  # caught, and alive: its peers do not fail because it exited
+        return what, waited
+
+
+def barrier_after_a_peer_exits(rank: int, seconds: float = 0.5) -> tuple[str, float]:
+    """Run by dh.launch on two ranks: rank 1 skips a barrier on a gloo group (with the default
+    30-minute timeout) and returns, so its process exits after `seconds`; rank 0 waits in it.
+    Returns this rank's (what happened, seconds)."""
+    from ..runtime import process_group
+
+    with process_group(backend="gloo", verbose=False):
+        group = dist.new_group(backend="gloo")  # a group of its own: the kit waits 10 s there
+        start = time.time()
+        if rank != 0:
+            time.sleep(seconds)
+            return "skipped the barrier and exited", time.time() - start
+        try:
+            dist.barrier(group=group)
+            what = "passed"
+        except RuntimeError as e:
+            what = first_line(e)
+        return what, time.time() - start
+
+
+def monitored_barrier_facts(both_absent: list[list], one_absent: list[list],
+                            timeout_s: float) -> None:
+    """Print what rounds of monitored_barrier_on_ranks show that does not depend on the clock:
+    whom rank 0 named, and whether each wait ended at rank 0's one timeout (a margin of half a
+    timeout: one more timeout per missing rank, or the others' own 5x, would be far past it)."""
+    rounds = len(both_absent)
+    named = sum(named_ranks(r[0][0]) == [1, 2] for r in both_absent)
+    print(f"ranks 1, 2 absent, wait_all_ranks=True: rank 0 named [1, 2] in {named} of {rounds} "
+          "rounds")
+    print(f"  rank 0's longest wait was under {1.5 * timeout_s:g} s (one {timeout_s:g} s timeout,"
+          " not one per missing rank):", max(r[0][1] for r in both_absent) < 1.5 * timeout_s)
+    named = sum(named_ranks(r[0][0]) == [1] for r in one_absent)
+    print(f"rank 1 absent, rank 2 calls it: rank 0 named [1] in {named} of {rounds} rounds")
+    told = sum("from rank 0" in r[2][0] and "rank 0 logs" in r[2][0] for r in one_absent)
+    print(f"  rank 2 raised, pointing to rank 0's logs, in {told} of {rounds} rounds")
+    print(f"  rank 2 raised within 0.3 s of rank 0, long before its own {5 * timeout_s:g} s:",
+          all(abs(r[2][1] - r[0][1]) < 0.3 for r in one_absent))
+
+
+def peer_exit_facts(runs: list[list], timeout_s: float = 1800) -> None:
+    """Print what rounds of barrier_after_a_peer_exits show: rank 0's barrier ended with gloo's
+    "Connection closed by peer" soon after rank 1 exited, not at the group's timeout."""
+    closed = sum("Connection closed by peer" in r[0][0] for r in runs)
+    print(f"rank 0's barrier raised 'Connection closed by peer' in {closed} of {len(runs)} rounds")
+    print(f"  each within 1 s of rank 1's exit (the group's timeout: {timeout_s / 60:g} minutes):",
+          all(r[0][1] - r[1][1] < 1.0 for r in runs))
 
 
 # ---------------------------------------------------------------- exercises

@@ -73,8 +73,9 @@ _WHY = {
     "ops-fewer": ("Rank {few} made fewer {rep} calls than rank {many}, so its {fop} met rank "
                   "{many}'s {rep} #{k}: a loop that ran once less on it, as with uneven data (a "
                   "rank with a batch fewer). Every rank must make the same number of "
-                  "collectives: agree on the number of steps first, or run the loop under "
-                  "torch.distributed.algorithms.Join."),
+                  "collectives: agree on the number of steps first (an all_reduce of each "
+                  "rank's count with ReduceOp.MIN), or, with a DDP model, run the loop under "
+                  "`with model.join():` (Join covers DDP's own collectives only)."),
     "shapes": ("The same collective got different tensors: {a} on rank {r}, {b} on rank {o}. "
                "Every rank must hand in the same shapes and dtypes."),
     "roots": ("The same {op} was given a different root on each rank: {ra} on rank {r}, {rb} on "
