@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ def test_summary_and_verdict_pass_after_a_good_run(report):
     assert text.startswith("--- ddp_helpers setup check ---")
     assert f"torch: {torch.__version__}" in text
     assert "PASS  two-rank all_reduce  (every rank holds 3)" in text
-    assert setup_check.verdict(report, results).startswith("all 7 checks passed")
+    assert setup_check.verdict(report, results).startswith("all 6 checks passed")
 
 
 def test_verdict_names_the_failed_check(report):
@@ -66,7 +67,7 @@ def test_verdict_names_the_failed_check(report):
     wrong = [{"rank": r, "backend": backend, "device": device,
               "result": torch.tensor([2.0, 2.0, 2.0])} for r in range(2)]
     assert "FAIL  two-rank all_reduce  (expected 3, got" in setup_check.summary(report, wrong)
-    assert setup_check.verdict(report, wrong).startswith("1 of 7 checks failed: two-rank")
+    assert setup_check.verdict(report, wrong).startswith("1 of 6 checks failed: two-rank")
     assert "not run yet" in setup_check.summary(report, None)
 
 
@@ -103,8 +104,6 @@ def _spoil(report, results, what):
         report["distributed"] = False
     elif what == "gloo":
         report["backends"]["gloo"] = False
-    elif what == "cores":
-        report["cpu"]["usable by this process"] = 1
     elif what == "choice":
         results[1]["backend"], results[1]["device"] = "mpi", "meta"
     elif what == "all_reduce":
@@ -113,25 +112,62 @@ def _spoil(report, results, what):
 
 
 @pytest.mark.parametrize("what, index", [("python", 0), ("torch", 1), ("distributed", 2),
-                                         ("gloo", 3), ("cores", 4), ("choice", 5),
-                                         ("all_reduce", 6)])
+                                         ("gloo", 3), ("choice", 4), ("all_reduce", 5)])
 def test_each_check_can_fail_alone(report, what, index):
     if "torch" not in setup_check._FLOORS:
         pytest.skip("the kit is not installed: its torch floor is unknown, so that check fails")
-    report = copy.deepcopy(report)
-    report["cpu"]["usable by this process"] = 2  # this test is about the checks, not the host
     results = _good_results(report)
     assert all(ok for _, ok, _ in setup_check.checks(report, results))
     spoiled = setup_check.checks(*_spoil(report, results, what))
     failed = [i for i, (_, ok, _) in enumerate(spoiled) if not ok]
     assert failed == [index], spoiled
-    assert setup_check.verdict(*_spoil(report, results, what)).startswith("1 of 7 checks failed")
+    assert setup_check.verdict(*_spoil(report, results, what)).startswith("1 of 6 checks failed")
 
 
 def test_the_choice_check_names_what_the_ranks_used(report):
     results = _good_results(report)
     results[1]["backend"] = "mpi"
-    what, ok, detail = setup_check.checks(report, results)[5]
+    what, ok, detail = setup_check.checks(report, results)[4]
     assert (what, ok) == ("ranks used the kit's backend choice", False)
     assert "the ranks used" in detail and "mpi on" in detail
-    assert setup_check.checks(report, None)[5][1] is False
+    assert setup_check.checks(report, None)[4][1] is False
+
+
+def test_one_core_is_a_note_not_a_failure(report):
+    # With one core the ranks take turns: slower, still correct, so the verdict must pass.
+    one = copy.deepcopy(report)
+    one["cpu"]["usable by this process"] = 1
+    results = _good_results(one)
+    assert "NOTE  1 usable CPU core: the ranks take turns" in setup_check.summary(one, results)
+    if "torch" in setup_check._FLOORS:
+        assert setup_check.verdict(one, results).startswith("all 6 checks passed")
+    one["cpu"]["usable by this process"] = 4
+    assert setup_check.cores_note(one) == "4 usable CPU cores: two ranks run side by side"
+
+
+def _fake_smi(tmp_path, monkeypatch, rows):
+    """An nvidia-smi on PATH that prints `rows`, and torch seeing len(rows) GPUs."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo '{row}'\n" for row in rows))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(setup_check, "gpu_count", lambda: len(rows))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+
+
+def test_gpu_names_come_from_nvidia_smi_or_say_why_not(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, monkeypatch, ["NVIDIA H100, 81559 MiB"] * 2)
+    assert [setup_check.gpu_text(g) for g in setup_check.gpu_info()] == [
+        "NVIDIA H100 (81559 MiB)"] * 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert [setup_check.gpu_text(g) for g in setup_check.gpu_info()] == [
+        "name not shown (CUDA_VISIBLE_DEVICES=0,1 is set; run nvidia-smi -L)"] * 2
+
+
+def test_mixed_gpu_models_are_named_only_in_pci_bus_order(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, monkeypatch, ["NVIDIA A100, 40960 MiB", "NVIDIA H100, 81559 MiB"])
+    assert all("CUDA_DEVICE_ORDER=PCI_BUS_ID" in setup_check.gpu_text(g)
+               for g in setup_check.gpu_info())
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert [g["name"] for g in setup_check.gpu_info()] == ["NVIDIA A100", "NVIDIA H100"]

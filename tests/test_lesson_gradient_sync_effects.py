@@ -142,6 +142,31 @@ def test_ring_model_terms_and_fit():
     assert lesson.fit_ring(slow)[0] > 1.1 * 5e-5  # while a fit over every point is dragged up
 
 
+
+def _launch(seconds_by_n: dict[int, list[float]], numels=(1_000, 100_000)) -> list[list[dict]]:
+    """What allreduce_times returns, one rank per world size, with given seconds."""
+    return [[{"world_size": n, "numels": list(numels), "seconds": s}]
+            for n, s in seconds_by_n.items()]
+
+
+def test_cost_round_rows_print_each_launch_against_its_own_fit():
+    exact = {n: [lesson.ring_seconds(4.0 * m, n, 5e-5, 2e9) for m in (1_000, 100_000)]
+             for n in (2, 4)}
+    twice = {n: [2 * s for s in times] for n, times in exact.items()}
+    rows = lesson.cost_round_rows([_launch(exact), _launch(twice)])
+    # Twice as slow everywhere: alpha doubles and B halves, and every ratio stays 1.
+    assert rows[0] == ("fit on the 2-rank points, 2 launches: alpha 50-100 us per step, "
+                       "B 1.00-2.00 GB/s")
+    assert len(rows) == 5 and all(r.endswith("measured / model 1.00-1.00") for r in rows[1:])
+    assert rows[3].startswith("N=4,   0.004 MB: measured ")
+
+
+def test_slower_on_more_ranks_needs_every_size_in_every_launch():
+    fast, slow = [1.0, 2.0], [1.5, 3.0]
+    assert lesson.slower_on_more_ranks([_launch({2: fast, 4: slow}), _launch({2: fast, 4: slow})])
+    assert not lesson.slower_on_more_ranks([_launch({2: fast, 4: slow}),
+                                            _launch({2: fast, 4: [1.5, 2.0]})])
+
 def test_allreduce_times_on_gloo_for_two_and_four_ranks():
     numels = [1_000, 100_000]
     timed = [dh.launch(lesson.allreduce_times, args=(n, numels, 3), nprocs=n, timeout=120,

@@ -89,26 +89,48 @@ def cpu_info() -> dict:
 
 
 def gpu_info() -> list[dict]:
-    """One dict per visible GPU (name, memory) from nvidia-smi; [] without GPUs."""
+    """One dict per visible GPU (name, memory) from nvidia-smi; [] without GPUs. Where a name
+    cannot be matched to torch's index, "name" is None and "why" says why."""
     count = gpu_count()
     if count == 0:
         return []
-    gpus = [{"index": i, "name": "?", "memory": "?"} for i in range(count)]
+    rows, why = _smi_rows(count)
+    if why:
+        return [{"index": i, "name": None, "memory": None, "why": why} for i in range(count)]
+    return [{"index": i, "name": name, "memory": memory} for i, (name, memory) in enumerate(rows)]
+
+
+def _smi_rows(count: int) -> tuple[list[list[str]], str]:
+    """nvidia-smi's (name, memory) rows, or the reason they cannot name torch's GPUs 0..count-1:
+    nvidia-smi lists every GPU in PCI bus order, while torch sees only CUDA_VISIBLE_DEVICES,
+    in CUDA's order (CUDA_DEVICE_ORDER, FASTEST_FIRST unless set to PCI_BUS_ID)."""
     smi = shutil.which("nvidia-smi")
-    if smi:
-        # nvidia-smi, not torch.cuda.get_device_properties: that would create a CUDA context in
-        # the kernel, and a kernel holding CUDA must never be forked.
-        try:
-            out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            out = ""
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        rows = [line.split(", ") for line in out.strip().splitlines() if line.strip()]
-        if visible is None and len(rows) == count:
-            for gpu, (name, memory) in zip(gpus, rows, strict=True):
-                gpu.update(name=name, memory=memory)
-    return gpus
+    if smi is None:
+        return [], "no nvidia-smi on PATH"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [], f"CUDA_VISIBLE_DEVICES={visible} is set; run nvidia-smi -L"
+    # nvidia-smi, not torch.cuda.get_device_properties: that would create a CUDA context in
+    # the kernel, and a kernel holding CUDA must never be forked.
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return [], "nvidia-smi did not answer"
+    rows = [line.split(", ") for line in out.strip().splitlines() if line.strip()]
+    if len(rows) != count or any(len(row) != 2 for row in rows):
+        return [], f"nvidia-smi lists {len(rows)} GPU(s), torch sees {count}"
+    if len({name for name, _ in rows}) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        return [], ("different GPU models, and CUDA numbers them fastest first, nvidia-smi by "
+                    "PCI bus: set CUDA_DEVICE_ORDER=PCI_BUS_ID, or run nvidia-smi -L")
+    return rows, ""
+
+
+def gpu_text(gpu: dict) -> str:
+    """'NVIDIA H100 80GB HBM3 (81559 MiB)', or 'name not shown (why)'."""
+    if gpu["name"] is None:
+        return f"name not shown ({gpu['why']})"
+    return f"{gpu['name']} ({gpu['memory']})"
 
 
 def collect_report(nprocs: int = 2) -> dict:
@@ -127,7 +149,7 @@ def print_section(report: dict, section: str) -> None:
         if not value:
             print("no CUDA GPU visible")
         for gpu in value:
-            print(f"GPU {gpu['index']}: {gpu['name']} ({gpu['memory']})")
+            print(f"GPU {gpu['index']}: {gpu_text(gpu)}")
         return
     for key, item in value.items():
         if section == "backends":
@@ -162,13 +184,11 @@ def checks(report: dict, results: list[dict] | None) -> list[tuple[str, bool, st
         torch_check = ("torch at the kit's floor", False,
                        f"{v['torch']}; the kit is not installed, so its floor is unknown: "
                        "run `pip install -e .` in the checkout")
-    usable = report["cpu"]["usable by this process"]
     return [
         (f"Python {_FLOORS.get('python', '?')} or newer", py_ok, v["python"]),
         torch_check,
         ("torch.distributed available", report["distributed"], ""),
         ("gloo backend available", report["backends"]["gloo"], "every lesson can run on CPU"),
-        ("at least 2 usable CPU cores", (usable or 1) >= 2, f"{usable} usable"),
         _choice_check(report["choice"], results),
         _all_reduce_check(results),
     ]
@@ -205,12 +225,21 @@ def summary(report: dict, results: list[dict] | None) -> str:
     lines.append(f"cpu: {cpu['logical cores']} logical, {cpu['usable by this process']} usable, "
                  f"{cpu['physical cores']} physical")
     gpus = report["gpus"]
-    lines.append("gpus: " + (", ".join(f"{g['name']} ({g['memory']})" for g in gpus)
-                             if gpus else "none"))
+    lines.append("gpus: " + (", ".join(gpu_text(g) for g in gpus) if gpus else "none"))
     lines.append("backends: " + ", ".join(k for k, ok in report["backends"].items() if ok))
     for what, ok, detail in checks(report, results):
         lines.append(f"{'PASS' if ok else 'FAIL'}  {what}" + (f"  ({detail})" if detail else ""))
+    lines.append(f"NOTE  {cores_note(report)}")
     return "\n".join(lines)
+
+
+def cores_note(report: dict) -> str:
+    """The core count, as information rather than a check: with fewer cores than ranks the
+    ranks take turns, slower but still correct, so it never fails the verdict."""
+    usable = report["cpu"]["usable by this process"] or 1
+    if usable >= 2:
+        return f"{usable} usable CPU cores: two ranks run side by side"
+    return "1 usable CPU core: the ranks take turns, so the lessons run slower (but correctly)"
 
 
 def verdict(report: dict, results: list[dict] | None) -> str:

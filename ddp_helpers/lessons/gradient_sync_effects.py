@@ -83,8 +83,9 @@ def train_with_sync(rank: int, world_size: int, cfg: SyncConfig = SyncConfig(),
     """Train on this rank's part of the data with gradient sync on, off, or parameter averaging."""
     check_config(cfg, world_size)
     with dh.process_group(rank, world_size, verbose=cfg.verbose) as device:
-        # One thread per rank: the ranks share the cores, and a fixed thread count keeps the
-        # float sums in the same order on every machine, so the printed numbers reproduce.
+        # One thread per rank: the ranks share the cores. The float sums then repeat from run to
+        # run on one machine; another CPU's kernels round differently, so the lesson prints
+        # three digits.
         torch.set_num_threads(1)
         source = cfg.source or prepare_data(verbose=False)
         batches = rank_batches(source, cfg, rank, world_size, device)
@@ -334,6 +335,42 @@ def cost_points(measured: list[list[dict]]) -> list[tuple[int, float, float]]:
         for i, numel in enumerate(r0["numels"]):
             points.append((r0["world_size"], 4.0 * numel, max(r["seconds"][i] for r in results)))
     return points
+
+
+def cost_round_rows(launches: list[list[list[dict]]], world_size: int = 2) -> list[str]:
+    """The spread over repeated launches: alpha and B of each launch's fit on `world_size`
+    ranks (min-max), then per (N, size) the measured time and measured / model (min-max),
+    each launch against its own fit."""
+    fits = [fit_ring_on(cost_points(timed), world_size) for timed in launches]
+    alphas, bandwidths = [a * 1e6 for a, _ in fits], [b / 1e9 for _, b in fits]
+    rows = [f"fit on the {world_size}-rank points, {len(launches)} launches: alpha "
+            f"{min(alphas):.0f}-{max(alphas):.0f} us per step, B "
+            f"{min(bandwidths):.2f}-{max(bandwidths):.2f} GB/s"]
+    spread: dict[tuple[int, float], list[tuple[float, float]]] = {}
+    for (alpha, bandwidth), timed in zip(fits, launches):
+        for n, nbytes, seconds in cost_points(timed):
+            model = ring_seconds(nbytes, n, alpha, bandwidth)
+            spread.setdefault((n, nbytes), []).append((seconds * 1e3, seconds / model))
+    for (n, nbytes), pairs in spread.items():
+        ms, ratio = [m for m, _ in pairs], [r for _, r in pairs]
+        rows.append(f"N={n}, {nbytes / 1e6:7.3f} MB: measured {min(ms):6.2f}-{max(ms):6.2f} ms, "
+                    f"measured / model {min(ratio):.2f}-{max(ratio):.2f}")
+    return rows
+
+
+def slower_on_more_ranks(launches: list[list[list[dict]]]) -> bool:
+    """Whether in every launch every size took longer at each larger world size than at the
+    next smaller one (the ring model says so on any machine: more latency steps, and a
+    bandwidth factor 2(N-1)/N that grows with N)."""
+    for timed in launches:
+        by_size: dict[float, list[tuple[int, float]]] = {}
+        for n, nbytes, seconds in cost_points(timed):
+            by_size.setdefault(nbytes, []).append((n, seconds))
+        for runs in by_size.values():
+            times = [seconds for _, seconds in sorted(runs)]
+            if any(later <= earlier for earlier, later in zip(times, times[1:])):
+                return False
+    return True
 
 
 # ---------------------------------------------------------------- exercises

@@ -140,7 +140,8 @@ def allreduce_both_ways(rank: int, world_size: int, steps: int = 30, warmup: int
     Each step runs backward on a plain model and times `average_gradients` in its parts, then
     runs backward on a DDP copy and times its one bucket's all-reduce with the comm hook. Both
     all-reduce the same 7,850 floats; interleaving puts the same load on both. Returns the
-    median seconds of each part (CPU clock: gloo's callback runs on the host)."""
+    median seconds of each part, both ways marked on the device's timeline (`timing`: the
+    CPU clock here, CUDA events on a GPU)."""
     with process_group(rank, world_size, verbose=False) as device:
         plain = build_model("linear").to(device)
         wrapped = DDP(build_model("linear").to(device), device_ids=device_ids(device))
@@ -149,7 +150,7 @@ def allreduce_both_ways(rank: int, world_size: int, steps: int = 30, warmup: int
         for i, (x, y) in enumerate(_batches(rank, warmup + steps, 64, device)):
             plain.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(plain(x), y).backward()
-            manual = _manual_parts(plain)
+            manual = _manual_parts(plain, device)
             times.reset()
             wrapped.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(wrapped(x), y).backward()
@@ -163,25 +164,27 @@ def allreduce_both_ways(rank: int, world_size: int, steps: int = 30, warmup: int
 MANUAL_PARTS = ("flatten", "call until launched", "in flight", "wake-up", "divide, copy back")
 
 
-def _manual_parts(model: nn.Module) -> tuple[float, ...]:
-    """`average_gradients`, with a clock read between its parts (async + a callback, so that
-    "in flight" ends where DDP's hook span ends: when gloo's thread completes the work)."""
-    t0 = time.perf_counter()
+def _manual_parts(model: nn.Module, device: torch.device) -> tuple[float, ...]:
+    """`average_gradients`, with a mark between its parts on the device's timeline, as DDP's
+    hook marks its span (async + a callback, so that "in flight" ends where the hook's span
+    ends: in the future's callback; for CUDA tensors the callback's stream waits for NCCL's
+    kernel, torch's `Future.then` docs say, so its event lands after the all-reduce)."""
+    laps = timing.Laps(device)
+    laps.mark("start")
     grads = [p.grad for p in model.parameters()]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    t1 = time.perf_counter()
-    done: list[float] = []
+    laps.mark("flatten")
     work = dist.all_reduce(flat, async_op=True)
-    t2 = time.perf_counter()
-    work.get_future().then(lambda _: done.append(time.perf_counter())).wait()
-    t3 = time.perf_counter()
+    laps.mark("call until launched")
+    work.get_future().then(lambda _: laps.mark("in flight")).wait()
+    laps.mark("wake-up")
     flat /= dist.get_world_size()
     offset = 0
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-    t4 = time.perf_counter()
-    return t1 - t0, t2 - t1, done[0] - t2, t3 - done[0], t4 - t3
+    laps.mark("divide, copy back")
+    return tuple(laps.seconds()[part] for part in MANUAL_PARTS)
 
 
 def phase_medians(records: list[dict]) -> list[dict[str, float]]:
