@@ -112,6 +112,63 @@ def test_checkpoint_write_that_fails_leaves_the_old_checkpoint_and_no_temp_file(
     assert [p.name for p in tmp_path.iterdir()] == [lesson.CHECKPOINT]
 
 
+# A child that saves step 5, then starts saving step 10 and stops in the middle of it: pickling
+# Blocker prints a line and sleeps, with the temporary file open and partly written.
+_SAVER = """
+import sys, time
+from ddp_helpers.lessons import beyond_one_machine as lesson
+
+class Blocker:
+    def __reduce__(self):
+        print("mid-save", flush=True)
+        time.sleep(600)
+
+lesson.save_checkpoint({"step": 5}, sys.argv[1])
+lesson.save_checkpoint({"step": 10, "block": Blocker()}, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_kill_mid_save_keeps_the_old_checkpoint_and_the_next_save_removes_its_temp_file(
+        sig, tmp_path):
+    path = tmp_path / lesson.CHECKPOINT
+    child = subprocess.Popen([sys.executable, "-c", _SAVER, str(path)], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert child.stdout.readline().strip() == "mid-save"
+    finally:
+        child.send_signal(sig)  # what torchrun's agent sends a worker when another one fails
+        child.wait()
+    assert child.returncode == -sig
+    left = tmp_path / f".{lesson.CHECKPOINT}.{child.pid}.tmp"
+    assert left.exists()  # the killed writer ran no clean-up
+    assert lesson.load_checkpoint(tmp_path) == {"step": 5}  # the old checkpoint, whole
+    lesson.save_checkpoint({"step": 15}, path)
+    assert lesson.load_checkpoint(tmp_path) == {"step": 15}
+    assert [p.name for p in tmp_path.iterdir()] == [lesson.CHECKPOINT]
+
+
+def test_a_running_writers_temp_file_is_kept(tmp_path):
+    path = tmp_path / lesson.CHECKPOINT
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        mine = tmp_path / f".{lesson.CHECKPOINT}.{alive.pid}.tmp"
+        mine.write_bytes(b"being written")
+        dead = tmp_path / f".{lesson.CHECKPOINT}.{_pid_of_an_exited_process()}.tmp"
+        dead.write_bytes(b"left by a killed writer")
+        assert lesson.remove_stale_temporaries(path) == [dead]
+        assert mine.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def _pid_of_an_exited_process() -> int:
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()  # reaped: no process has this pid until the system hands it out again
+    return done.pid
+
+
 # ---------------------------------------------------------------- the steps a restart redoes
 
 

@@ -77,19 +77,46 @@ def batch_indices(step: int, rank: int, world_size: int, seed: int = 0) -> torch
 
 
 def save_checkpoint(state: dict, path: str | os.PathLike) -> None:
-    """Write a checkpoint atomically: a temporary file in the same directory, then os.replace."""
+    """Write a checkpoint atomically: a temporary file in the same directory, then os.replace.
+    Temporary files left by a writer that was killed mid-save are removed first."""
     path = Path(path)
+    remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
-    except BaseException:
+    except BaseException:  # a Python exception; a signal's kill runs no Python at all
         tmp.unlink(missing_ok=True)
         raise
     # A kill at any moment leaves either the old checkpoint or the new one, never half of one.
     os.replace(tmp, path)
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove `path`'s temporary files whose writer no longer runs on this machine; return them.
+
+    A writer killed mid-save (torchrun's SIGTERM when another worker fails, a SIGKILL) runs no
+    clean-up, so its partly written file, as large as a checkpoint, would stay at every kill."""
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:-len(".tmp")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _running(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: checks that the process exists, sends nothing
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def load_checkpoint(out_dir: str | os.PathLike) -> dict | None:

@@ -306,11 +306,11 @@ def waits_in_recv(rank: int, world_size: int, stuck_rank: int = 1) -> str:
 
     hangs_on's contrast: here the stuck rank is inside torch.distributed, so its call (a recv)
     can be compared with the others' (a barrier), and dh.launch names the mismatch."""
-    with process_group(rank, world_size, verbose=False):
+    with process_group(rank, world_size, verbose=False) as device:
         if rank == stuck_rank:
             sender = 0 if stuck_rank != 0 else 1
             print(f"waiting for a message from rank {sender}...", flush=True)
-            dist.recv(torch.empty(1), src=sender)  # the sender never sends: it is at the barrier
+            dist.recv(torch.empty(1, device=device), src=sender)  # never sent: sender is at barrier
         else:
             print("at the barrier", flush=True)
         dist.barrier()
