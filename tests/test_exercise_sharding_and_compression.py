@@ -67,6 +67,11 @@ def zero1_step(model, shard, optimizer):
 '''
 
 ZERO1_WRONG = {  # label: (answer, text its FAIL must name)
+    "the reduction started with async_op=True, stepped on before it finished": (
+        edit("zero1", "dist.reduce_scatter(mine, list(grads.chunk(world)))",
+             "dist.reduce_scatter(mine, list(grads.chunk(world)), async_op=True)").replace(
+            "dist.all_reduce(grads)\n", "dist.all_reduce(grads, async_op=True)\n"),
+        "the gradient optimizer.step() saw: this rank's slice of the mean over the ranks"),
     "no sharding: every rank steps the whole vector": (
         NO_SHARDING, MLP + "make_shard(model): this rank's slice: got (55050,), expected (18350,)"),
     "its own Adam over every parameter, the shard ignored": (

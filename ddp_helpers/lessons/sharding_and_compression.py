@@ -560,8 +560,11 @@ def _zero1_run(build, make_shard, zero1_step, rank: int, world_size: int,
     """ZERO1_STEPS Adam steps of the learner's ZeRO-1 on build(): the shard make_shard made,
     the final parameters, the optimizer's state bytes, and for the last step the collectives
     zero1_step called, where optimizer.step() came among them, the gradient it stepped with
-    and the mean gradient it should have been (summed here, outside the ledger)."""
+    and the mean gradient it should have been (summed here, outside the ledger). In the last
+    step rank 0 calls zero1_step after the others returned (races.rank_zero_last), so a
+    reduction started with async_op=True and stepped on before wait() FAILs every run."""
     from ..ledger import Ledger
+    from ..races import agreed_key, rank_zero_last
 
     model = build().to(device)
     shard = make_shard(model)
@@ -584,8 +587,9 @@ def _zero1_run(build, make_shard, zero1_step, rank: int, world_size: int,
             mean = _flat_grads(model).clone()
             dist.all_reduce(mean)
             mean /= world_size
-            with Ledger() as seen["ledger"]:
-                zero1_step(model, shard, opt)
+            key = agreed_key("zero1", device)
+            with Ledger() as seen["ledger"]:  # rank 0 last: an un-waited reduction FAILs always
+                rank_zero_last(key, lambda: zero1_step(model, shard, opt), lambda _: None)
         model.zero_grad(set_to_none=False)
     return {"params": full_params(model), "mean_grad": mean.cpu(),
             "optimizer": memory_of(model, opt)["optimizer"], "calls": seen["ledger"].calls,
