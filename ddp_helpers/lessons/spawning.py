@@ -320,6 +320,11 @@ def waits_in_recv(rank: int, world_size: int, stuck_rank: int = 1) -> str:
 # ---------------------------------------------------------------- torchrun
 
 
+# torchrun --standalone sets MASTER_ADDR to socket.getfqdn() (dynamic_rendezvous.py), a name
+# that changes from machine to machine: shown as what it is, so the output reads the same.
+TORCHRUN_VARYING = {**VARYING, "MASTER_ADDR": "(this host)"}
+
+
 def torchrun_report() -> str | None:
     """Under torchrun: gather every rank's variables; rank 0 returns them as a table."""
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -335,7 +340,7 @@ def torchrun_report() -> str | None:
             return None
     lines = [f"{'':<28}" + "".join(f"rank {r:<9}" for r in range(len(everyone)))]
     for name in TORCHRUN_VARS:
-        shown = [VARYING.get(name, e[name]) if e[name] is not None else "(unset)"
+        shown = [TORCHRUN_VARYING.get(name, e[name]) if e[name] is not None else "(unset)"
                  for e in everyone]
         lines.append(f"{name:<28}" + "".join(f"{v:<14}" for v in shown))
     return "\n".join(lines)
