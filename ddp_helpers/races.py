@@ -11,7 +11,6 @@ wait of WAIT_S seconds, no more.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from collections.abc import Callable
 
@@ -32,18 +31,32 @@ def agreed_key(topic: str, device: torch.device) -> str:
     return f"{topic}/{int(token.item())}"
 
 
+def say(key: str) -> None:
+    """This rank tells rank 0, through the store (no collective), that it reached `key`."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    _get_default_store().set(f"{key}/{dist.get_rank()}", "1")
+
+
+def others_said(key: str, seconds: float) -> bool:
+    """Rank 0: wait up to `seconds` until every other rank has said `key`; False on time-out."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    keys = [f"{key}/{r}" for r in range(1, dist.get_world_size())]
+    try:
+        _get_default_store().wait(keys, datetime.timedelta(seconds=seconds))
+        return True
+    except (RuntimeError, dist.DistError):
+        return False
+
+
 def rank_zero_last(key: str, call: Callable[[], object], copy: Callable[[object], object]):
     """call() on every rank, rank 0's only after the others' returned (or after WAIT_S), and
     copy(its result) taken at once on each rank, before rank 0 can join a collective left
     running; returns the copy."""
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store, rank, world_size = _get_default_store(), dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        with contextlib.suppress(RuntimeError, dist.DistError):  # a right answer: timed out
-            store.wait([f"{key}/returned/{r}" for r in range(1, world_size)],
-                       datetime.timedelta(seconds=WAIT_S))
+    if dist.get_rank() == 0:
+        others_said(f"{key}/returned", WAIT_S)  # a right answer: times out
     copied = copy(call())
-    if rank != 0:
-        store.set(f"{key}/returned/{rank}", "1")
+    if dist.get_rank() != 0:
+        say(f"{key}/returned")
     return copied

@@ -23,7 +23,7 @@ from ..collectives import collective_bytes
 from ..data import rank_share
 from ..exercises import NotAttempted, exercise_check, require, solution_module
 from ..models import flat_params
-from ..races import agreed_key, rank_zero_last
+from ..races import agreed_key, others_said, rank_zero_last, say
 from ..runtime import device_ids
 from ..timing import Timer
 
@@ -470,20 +470,6 @@ def _grads(model: nn.Module) -> dict:
             for n, p in model.named_parameters()}
 
 
-def _others_returned(key: str, world_size: int) -> bool:
-    """Rank 0: wait until every other rank says its backward returned; False on time-out."""
-    import datetime
-
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    try:
-        _get_default_store().wait([f"{key}/{r}" for r in range(1, world_size)],
-                                  datetime.timedelta(seconds=PROBE_WAIT_S))
-        return True
-    except (RuntimeError, dist.DistError):  # timed out: a rank is stuck inside its backward
-        return False
-
-
 def watch_step(setup: Callable, sync: Callable, model: nn.Module, namespace: dict,
                forced: bool, late: bool = False) -> Step:
     """One step of a version (setup(model) -> state, then sync(state) after backward), watched
@@ -492,7 +478,6 @@ def watch_step(setup: Callable, sync: Callable, model: nn.Module, namespace: dic
     late: rank 0 calls sync only once the others' sync returned (races.rank_zero_last), so that
     a sync that returns before its all_reduce finished (async_op=True, never waited) hands
     back gradients that cannot be the mean, every run: the race made certain, not left to luck."""
-    from torch.distributed.distributed_c10d import _get_default_store
 
     from ..ledger import Ledger
 
@@ -509,11 +494,11 @@ def watch_step(setup: Callable, sync: Callable, model: nn.Module, namespace: dic
     try:
         with Ledger(on_call=lambda call: at_call.append(len(ready))) as ledger:
             if forced and rank == 0:
-                others = _others_returned(key, world_size)
+                others = others_said(key, PROBE_WAIT_S)  # False: a rank is stuck in backward
             loss_fn(model(x), y).backward()
             in_backward = len(ledger.calls)
             if forced and rank != 0:
-                _get_default_store().set(f"{key}/{rank}", "returned")
+                say(key)
             if late:
                 grads = rank_zero_last(key, lambda: sync(state), lambda _: _grads(model))
             else:
