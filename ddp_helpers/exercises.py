@@ -145,8 +145,10 @@ def _run(ex: Exercise, answer: object, pool, other) -> tuple[list[Case], str]:
     """The cases, and a note for the PASS line (the world sizes a "ranks" check tried)."""
     if ex.kind == "prediction":
         if answer is _NOTHING or answer is None or answer == "" or answer is Ellipsis:
-            raise NotAttempted("write your prediction in the cell above (it is empty), then "
-                               "run this check")
+            # The cell above holds a placeholder (`predicted = None`), not nothing: say which.
+            where = {None: "in place of None ", Ellipsis: "in place of ... "}.get(answer, "")
+            raise NotAttempted(f"write your prediction {where}in the cell above, then run "
+                               "this check")
         return ex.check(answer), ""
     if ex.kind == "file":
         module = load_attempt(ex.name)
@@ -186,7 +188,10 @@ def _run_on_ranks(ex: Exercise, pool) -> list[Case]:
         raise RuntimeError(f"the ranks failed while checking: {str(e).splitlines()[0]}") from e
     reasons = [r for r in per_rank if isinstance(r, str)]
     if reasons:  # a rank had nothing to check: say why, as that rank said it
-        raise NotAttempted(f"{reasons[0]} (in a %%ranks cell, so that every rank has it)")
+        said = reasons[0].replace("run its cell,", "run its %%ranks cell (so that every rank "
+                                  "has it),")
+        raise NotAttempted(said if said != reasons[0] else
+                           f"{said} (in a %%ranks cell, so that every rank has it)")
     return [Case(f"rank {r}: {c.label}", c.ok, c.detail)
             for r, cases in enumerate(per_rank) for c in cases]
 

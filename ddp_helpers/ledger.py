@@ -100,12 +100,16 @@ class Call:
 class Ledger(TorchDispatchMode):
     """Record every collective this rank calls while the mode is on (a TorchDispatchMode, as
     torch's CommDebugMode is): `calls` in order, `summary()` per op, `text()` for one line.
-    `on_call(call)`, if given, is told of each call before the op runs."""
+    `on_call(call)`, if given, is told of each call before the op runs. `keep_inputs=True`
+    also keeps a CPU copy of each call's input tensors as they were before the op, in `inputs`
+    (one list per call): what an exercise check reads to see what a rank contributed."""
 
-    def __init__(self, on_call: Callable[[Call], None] | None = None, *, tap: bool = False):
+    def __init__(self, on_call: Callable[[Call], None] | None = None, *, tap: bool = False,
+                 keep_inputs: bool = False):
         super().__init__()
         self.on_call = on_call
         self.calls: list[Call] = []
+        self.inputs: list[list[torch.Tensor]] | None = [] if keep_inputs else None
         self._seq: dict[str, int] = {}
         self._tap = tap
 
@@ -146,6 +150,8 @@ class Ledger(TorchDispatchMode):
                     sum(t.numel() * t.element_size() for t in tensors), caller(),
                     _peer(name, args), _root(namespace, name, args))
         self.calls.append(call)
+        if self.inputs is not None:
+            self.inputs.append([t.detach().cpu().clone() for t in tensors])
         if self.on_call is not None:
             self.on_call(call)
 

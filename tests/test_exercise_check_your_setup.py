@@ -30,6 +30,11 @@ SUM_WRONG = {  # label: (answer, text its FAIL must name)
              "        return t.item()",
              f"rank + 1)], device=device)\n        {ALL_REDUCE}\n        return t.item() ** 2"),
         "2 ranks: rank 0's total: got 9"),
+    "a dummy all_reduce beside the closed form": (
+        edit("sum_of_squares", f"{ALL_REDUCE}\n        return t.item()",
+             "dist.all_reduce(torch.zeros(1, device=device))\n"
+             "        return world_size * (world_size + 1) * (2 * world_size + 1) / 6"),
+        "2 ranks: rank 0 all-reduces (rank + 1) ** 2: rank 0's all_reduce was handed [[0.0]]"),
     "three ranks hard-coded": (
         edit("sum_of_squares", ALL_REDUCE, "t.fill_(14.0)\n        dist.all_reduce(t.mul_(0))"
              "\n        t += 14.0"), "2 ranks: rank 0's total: got 14"),
@@ -45,6 +50,11 @@ SUM_RIGHT = {
         f"        {ALL_REDUCE}\n        return t.item()",
         "t = torch.tensor([(rank + 1) ** 2], dtype=torch.int64, device=device)\n"
         "        dist.all_reduce(t, async_op=True).wait()\n        return float(t.item())"),
+    "a 0-d float64 tensor": edit(
+        "sum_of_squares", f"t = torch.tensor([float((rank + 1) ** 2)], device=device)\n"
+        f"        {ALL_REDUCE}\n        return t.item()",
+        "t = torch.tensor((rank + 1.0) ** 2, dtype=torch.float64, device=device)\n"
+        "        dist.all_reduce(t)\n        return float(t)"),
 }
 
 

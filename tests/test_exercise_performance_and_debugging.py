@@ -39,6 +39,10 @@ EVEN_WRONG = {  # label: (answer, text its FAIL must name)
     "the loss averaged, not summed": (
         edit("even_batches", SUM_LOSS, SUM_LOSS + "        loss /= world_size\n"),
         "the loss each rank returned: at index 0: got 2, expected 4"),
+    "min(counts) x world_size, the loss never all-reduced": (
+        edit("even_batches", SUM_LOSS, "        loss *= world_size  # every rank's is equal\n"),
+        EVEN_2 + "rank 0 ends with the loss's all-reduce: rank 0's last collective was "
+        "all_reduce of 7850 number(s)"),
     "one step too many": (
         edit("even_batches", LOOP, "for _ in range(int(steps.item()) + 1):"),
         "gradient all-reduces on ranks 0..1: at index 0: got 3, expected 2"),

@@ -124,6 +124,17 @@ def test_each_check_can_fail_alone(report, what, index):
     assert setup_check.verdict(*_spoil(report, results, what)).startswith("1 of 6 checks failed")
 
 
+def test_without_the_kit_installed_both_floor_checks_fail_and_say_why(report, monkeypatch):
+    # No metadata, no floor: a check against an unknown floor must not PASS ("Python ? or newer").
+    monkeypatch.setattr(setup_check, "_FLOORS", {})
+    results = _good_results(report)
+    checks = setup_check.checks(report, results)
+    for (what, ok, detail), name in zip(checks[:2], ("Python", "torch")):
+        assert (what, ok) == (f"{name} at the kit's floor", False)
+        assert "pip install -e ." in detail
+    assert all(ok for _, ok, _ in checks[2:])
+
+
 def test_the_choice_check_names_what_the_ranks_used(report):
     results = _good_results(report)
     results[1]["backend"] = "mpi"

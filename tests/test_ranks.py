@@ -99,6 +99,28 @@ def test_a_rank_that_raises_is_named_and_every_rank_keeps_its_state(pool):
     assert pool.get("kept") == [0, 10]
 
 
+def test_a_long_error_on_every_rank_is_said_whole_once(pool):
+    # DDP's unused-parameter error is ~900 characters over five lines, the same on every rank:
+    # the headline gives its first line, the other ranks are "the same", the traceback says it all.
+    code = ("words = ' '.join(['word'] * 60)\n"
+            "raise RuntimeError(words + '\\nsecond line for rank ' + str(rank))")
+    with pytest.raises(dh.RankRaised) as e:
+        pool.run(code)
+    text = str(e.value)
+    headline = text.splitlines()[0]
+    assert headline.startswith("rank 0 of 2 raised RuntimeError: word word") and \
+        headline.endswith(" ...") and len(headline) < 220, headline
+    assert "Rank 1 raised too (rank 1: the same RuntimeError)" in text
+    assert text.count("second line for rank 0") == 1  # in the traceback, not twice
+    assert "second line for rank 1" not in text
+
+
+def test_different_errors_on_two_ranks_are_each_named(pool):
+    with pytest.raises(dh.RankRaised) as e:
+        pool.run("raise ValueError(f'bad batch on {rank}')")
+    assert "Rank 1 raised too (rank 1: ValueError: bad batch on 1)" in str(e.value)
+
+
 def test_a_rank_that_raises_while_the_other_waits_in_all_reduce_stops_both(pool, capsys):
     pool.run("kept = rank")
     old = pool.status().ranks

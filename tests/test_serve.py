@@ -56,6 +56,8 @@ def test_two_torchrun_nodes_attach_run_collectives_and_report_a_killed_worker(tm
         assert info.value.rank == 1
         assert f"host {socket.gethostname()}" in text and "GROUP_RANK" in text
         assert "torchrun" in text  # says what became of the jobs
+        # the killed rank did not exit with code 3: only the ranks still running were closed
+        assert "ranks still running, so each of them exited (code 3)" in text
         codes = lesson.agents_ended(agents, timeout=HANG_GUARD)
         assert None not in codes  # both agents ended by themselves: nothing left behind
         assert 0 not in codes  # each agent reports a failure: none waits in its exit barrier

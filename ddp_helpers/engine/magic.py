@@ -96,8 +96,9 @@ def _loopback_note(pool: Ranks, nodes: int) -> str:
     return ("These lines reach the notebook at a loopback address, so they work on this "
             "machine only (two torchrun \"nodes\" here, as lesson 08 runs them). For other "
             "machines, listen on an address they can reach: `%ranks listen N --host 0.0.0.0` "
-            "and give --connect this machine's name; HEAD_NODE:29500 is torchrun's rendezvous "
-            "on node 0, any free port.\n")
+            "and give --connect this machine's name; HEAD_NODE:29500 is torchrun's "
+            "--rdzv-endpoint, the same on every node: one node's name (its c10d store runs "
+            "there; the Slurm line takes the first) and any free port.\n")
 
 
 def ranks_cell(line: str, cell: str, user_ns: dict, label: str | None = None) -> None:

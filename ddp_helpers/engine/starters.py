@@ -239,7 +239,7 @@ class Listen:
     def who(self, pool):
         """A served rank as the words name it: host, node, local rank, pid."""
         hellos = self.hellos(pool) or []
-        return lambda r: (f"host {hellos[r].host}, node GROUP_RANK {hellos[r].group_rank}, "
+        return lambda r: (f"host {hellos[r].host}, GROUP_RANK {hellos[r].group_rank}, "
                           f"LOCAL_RANK {hellos[r].local_rank}, pid {hellos[r].pid}")
 
     def host(self, pool):

@@ -178,20 +178,24 @@ def checks(report: dict, results: list[dict] | None) -> list[tuple[str, bool, st
     v = report["versions"]
     py_ok = _version_tuple(v["python"]) >= MIN_PYTHON
     torch_ok = _version_tuple(v["torch"], parts=3) >= MIN_TORCH
-    if "torch" in _FLOORS:
-        torch_check = (f"torch {_FLOORS['torch']} or newer", torch_ok, v["torch"])
-    else:  # no metadata to read the floor from
-        torch_check = ("torch at the kit's floor", False,
-                       f"{v['torch']}; the kit is not installed, so its floor is unknown: "
-                       "run `pip install -e .` in the checkout")
     return [
-        (f"Python {_FLOORS.get('python', '?')} or newer", py_ok, v["python"]),
-        torch_check,
+        _floor_check("Python", py_ok, v["python"]),
+        _floor_check("torch", torch_ok, v["torch"]),
         ("torch.distributed available", report["distributed"], ""),
         ("gloo backend available", report["backends"]["gloo"], "every lesson can run on CPU"),
         _choice_check(report["choice"], results),
         _all_reduce_check(results),
     ]
+
+
+def _floor_check(name: str, ok: bool, have: str) -> tuple[str, bool, str]:
+    """`name` at or above the kit's floor; FAIL when the kit is not installed (no floor to read),
+    since a check that passes against an unknown floor says nothing."""
+    if name.lower() in _FLOORS:
+        return (f"{name} {_FLOORS[name.lower()]} or newer", ok, have)
+    return (f"{name} at the kit's floor", False,
+            f"{have}; the kit is not installed, so its floor is unknown: "
+            "run `pip install -e .` in the checkout")
 
 
 def _choice_check(choice: dict, results: list[dict] | None) -> tuple[str, bool, str]:
@@ -256,12 +260,15 @@ def verdict(report: dict, results: list[dict] | None) -> str:
 
 def _observed_sum_of_squares(rank: int, fn, world_size: int) -> tuple:
     """On a rank: the learner's fn(rank, world_size) under a Ledger; (its result, the ops it
-    called), so that the check sees how the total was made, not only the number."""
+    called, the values each all_reduce was handed), so that the check sees how the total was
+    made, not only the number."""
     from ddp_helpers.ledger import Ledger
 
-    with Ledger() as ledger:
+    with Ledger(keep_inputs=True) as ledger:
         value = fn(rank, world_size)
-    return value, [c.op for c in ledger.calls]
+    handed = [[float(x) for t in given for x in t.flatten().tolist()]
+              for call, given in zip(ledger.calls, ledger.inputs) if call.op == "all_reduce"]
+    return value, [c.op for c in ledger.calls], handed
 
 
 @exercise_check("sum_of_squares", "file")
@@ -275,12 +282,18 @@ def check_sum_of_squares(module) -> list:
         got = launch(_observed_sum_of_squares, args=(fn, n), nprocs=n, timeout=120,
                      output="none")
         want = float(sum((r + 1) ** 2 for r in range(n)))
-        for r, (value, ops) in enumerate(got):
+        for r, (value, ops, handed) in enumerate(got):
             called = ", ".join(ops) or "no collective"
             cases.append(Case(f"{n} ranks: rank {r} calls all_reduce", "all_reduce" in ops,
                               f"rank {r} called {called}; every rank all-reduces its "
                               "(rank + 1) ** 2"))
             cases.append(case(f"{n} ranks: rank {r}'s total", value, want))
+            # A dummy all_reduce beside a closed-form total is not the exercise.
+            mine = float((r + 1) ** 2)
+            cases.append(Case(f"{n} ranks: rank {r} all-reduces (rank + 1) ** 2",
+                              any(mine in values for values in handed),
+                              f"rank {r}'s all_reduce was handed {handed or 'nothing'}, not "
+                              f"{mine:g}: the total must come from the ranks' contributions"))
     return cases
 
 

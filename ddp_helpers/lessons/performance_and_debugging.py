@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import statistics
@@ -594,7 +595,12 @@ def _even_batches_run(rank: int, world_size: int, fn, batches_per_rank: list[int
     with Ledger() as ledger:
         loss = fn(rank, world_size, own)
     steps = sum(c.op == "all_reduce" and c.shapes == ((GRAD_NUMEL,),) for c in ledger.calls)
-    return {"loss": loss, "steps": steps}
+    last = ledger.calls[-1] if ledger.calls else None
+    numel = sum(math.prod(shape) for shape in last.shapes) if last else 0
+    return {"loss": loss, "steps": steps,
+            "last": f"{last.op} of {numel} number(s)" if last else "no collective",
+            "sums_loss": last is not None and last.op in ("all_reduce", "all_gather")
+            and numel == 1}
 
 
 def _launch_failure(e: Exception) -> str:
@@ -624,6 +630,14 @@ def check_even_batches(module) -> list:
                           [r["steps"] for r in runs], [min(batches)] * n))
         cases.append(case(f"{label}: the loss each rank returned",
                           [_number(r["loss"]) for r in runs], [float(min(batches) * n)] * n))
+        # Every rank's loss is min(counts) x 1.0, so min(counts) x world_size gives the right
+        # number with no message: the exercise's end-of-epoch collective is the loss's own.
+        for r, run in enumerate(runs):
+            cases.append(Case(f"{label}: rank {r} ends with the loss's all-reduce",
+                              run["sums_loss"],
+                              f"rank {r}'s last collective was {run['last']}: after the "
+                              "gradient all-reduces, all-reduce the loss (one number) and "
+                              "return the result"))
     return cases
 
 

@@ -87,14 +87,14 @@ def stopped(s: Stopped, where: str = "") -> str:
         return head + "."
     if s.next is Next.FRESH_GROUP:
         return head + ". Their variables are gone; the next cell starts a fresh group."
+    closed = (": the notebook closed the connections of the ranks still running, so each of "
+              "them exited (code 3)")
     if s.next is Next.TORCHRUN_RESTARTS:
-        return (head + ": the notebook closed their connections, so each served rank exited "
-                "(code 3), and torchrun restarts the workers (each node's agent has at least "
-                f"{s.restarts_left} of its --max-restarts left). Their variables are gone; the "
-                "next cell runs on the fresh group.")
-    return (head + ": the notebook closed their connections, so each served rank exited (code "
-            "3) and its torchrun agent ended. Their variables are gone; `%ranks listen N` and "
-            "start the torchrun jobs again for a fresh group.")
+        return (head + closed + ", and torchrun restarts the workers (each node's agent has at "
+                f"least {s.restarts_left} of its --max-restarts left). Their variables are gone; "
+                "the next cell runs on the fresh group.")
+    return (head + closed + ", and every torchrun agent ended. Their variables are gone; "
+            "`%ranks listen N` and start the torchrun jobs again for a fresh group.")
 
 
 def where_text(ev: Evidence, run: Run) -> str:
@@ -157,8 +157,12 @@ def _state_kept(ev: Evidence, rank: int) -> str:
     returned = [r for r in ev.targets if r not in ev.errors]
     if not others:
         return "The other ranks finished the cell; every rank keeps its state."
-    raised = "; ".join(f"rank {r}: {ev.errors[r].type}: "
-                       f"{_first_line(ev.errors[r].message)}" for r in others)
+    mine = ev.errors.get(rank)
+    same = [r for r in others if mine is not None and _alike(ev.errors[r], mine)]
+    raised = "; ".join(f"rank {r}: {ev.errors[r].type}: {_gist(ev.errors[r].message)}"
+                       for r in others if r not in same)
+    if same:  # one error on every rank is said once, not once per rank
+        raised = "; ".join(filter(None, [f"{_ranks(same)}: the same {mine.type}", raised]))
     done = f"; {_ranks(returned)} finished the cell" if returned else ""
     return f"{_ranks(others).capitalize()} raised too ({raised}){done}; every rank keeps its state."
 
@@ -191,7 +195,10 @@ def _raised(ev: Evidence, run: Run, rank: int, error: Error, consequence: str,
     """Word a rank's Error reply."""
     exc_type, message = error.type, error.message
     tb = run.name_cells(error.traceback)
-    text = (f"rank {rank} of {ev.nprocs} raised {exc_type}: {clean_error_text(message)}\n"
+    said = clean_error_text(message)
+    if said and said in clean_error_text(tb):  # the traceback's last line says it whole
+        said = _gist(message)
+    text = (f"rank {rank} of {ev.nprocs} raised {exc_type}: {said}\n"
             f"{consequence} The rank's traceback:\n{clean_traceback(tb)}"
             + hint(exc_type, message) + finished_note(kw.get("finished")))
     return RankRaised(text, rank=rank, exc_type=exc_type, exc_message=message,
@@ -300,3 +307,21 @@ def _ranks(ranks: list[int]) -> str:
 
 def _first_line(text: str) -> str:
     return (clean_error_text(text).splitlines() or [""])[0]
+
+
+GIST_CHARS = 160
+
+
+def _gist(text: str) -> str:
+    """A message's first line, cut at a word near GIST_CHARS; " ..." marks anything left out
+    (a long message such as DDP's unused-parameter error is said whole once, in the traceback)."""
+    lines = clean_error_text(text).splitlines() or [""]
+    first = lines[0].rstrip()
+    if len(first) > GIST_CHARS:
+        first = first[:GIST_CHARS].rsplit(" ", 1)[0]
+    return first + (" ..." if first != "\n".join(lines).rstrip() else "")
+
+
+def _alike(a: Error, b: Error) -> bool:
+    """The same error on two ranks: same type, same first line."""
+    return a.type == b.type and _gist(a.message) == _gist(b.message)
