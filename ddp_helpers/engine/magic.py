@@ -50,8 +50,8 @@ def ranks_line(line: str) -> object:
         return pool.compare(*args.names)
     elif name == "stop":
         pool.stop()
-        print(f"ddp_helpers: the {pool.nprocs} ranks were stopped. To use them again (the "
-              f"exercises' %%ranks cells need them), run {start_command()}.")
+        print(f"ddp_helpers: the {pool.nprocs} ranks were stopped. To use them again, run "
+              f"{start_command()}.")
     elif name == "restart":
         pool.restart()
     else:

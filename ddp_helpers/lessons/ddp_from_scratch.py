@@ -228,10 +228,14 @@ def describe(records: list[dict]) -> str:
                          for c, b in zip(first["collectives"], first["bytes"]))
     yes = {True: "yes", False: "NO"}
     agree = all(torch.equal(r["params"], first["params"]) for r in records)
+    # torch's DDP against a second run of itself says nothing: that line is for the others.
+    against_ddp = ("" if first["version"] == "ddp" else
+                   f"  parameters equal torch's DDP (rtol={RTOL:g}, atol={ATOL:g}), on every "
+                   f"rank: {yes[all(r['equals_ddp'] for r in records)]}\n")
     return (f"{first['version']} ({first['source']}), {len(first['losses'])} SGD steps:\n"
-            f"  parameters equal torch's DDP (rtol={RTOL:g}, atol={ATOL:g}), on every rank: "
-            f"{yes[all(r['equals_ddp'] for r in records)]}\n"
-            f"  parameters equal one process on the whole batch, on every rank: "
+            + against_ddp +
+            f"  parameters equal one process on the whole batch (rtol={RTOL:g}, atol={ATOL:g}), "
+            "on every rank: "
             f"{yes[all(r['equals_single'] for r in records)]}\n"
             f"  the ranks' parameters are equal bit for bit: {yes[agree]}\n"
             f"  collectives in each step (rank 0), with the bytes it handed in: {per_step}")
@@ -736,7 +740,8 @@ def describe_sweep(sweeps: list[list[dict]]) -> str:
     lines = []
     for row in sweeps[0]:
         sizes = row["bucket_bytes"]
-        lines.append(f"cap {row['cap_mb']:g} MiB: {len(sizes)} buckets, the last "
+        plural = "s" * (len(sizes) != 1)
+        lines.append(f"cap {row['cap_mb']:g} MiB: {len(sizes)} bucket{plural}, the last "
                      f"{sizes[-1] / 2**20:.2f} MiB; all-reduces counted in one step: "
                      f"{row['all_reduces'].get('all_reduce', 0)}")
     timed = all(len(s) == len(sweeps[0]) for s in sweeps)

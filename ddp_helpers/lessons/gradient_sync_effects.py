@@ -92,22 +92,21 @@ def train_with_sync(rank: int, world_size: int, cfg: SyncConfig = SyncConfig(),
         torch.manual_seed(cfg.seed)  # the same start everywhere (DDP would broadcast it anyway)
         ddp = DistributedDataParallel(build_model(cfg.model).to(device),
                                       device_ids=dh.device_ids(device))
-        allreduce = dh.time_allreduce(ddp)  # DDP's own averaging, counted per step
         optimizer = torch.optim.SGD(ddp.parameters(), lr=cfg.lr)
         steps = cfg.steps or len(batches)
         losses, snapshots, calls = [], [flat_params(ddp.module)], []
         for step, (xb, yb) in enumerate(_batches_for(batches, steps), 1):
             optimizer.zero_grad()
-            if cfg.sync == "ddp":
-                loss = F.cross_entropy(ddp(xb), yb)
-                loss.backward()  # DDP all-reduces and averages the gradients in here
-            else:
-                with ddp.no_sync():  # forward and backward without DDP's all-reduce
+            with counting_all_reduce() as counted:  # DDP's bucket all-reduces, bytes as sent
+                if cfg.sync == "ddp":
                     loss = F.cross_entropy(ddp(xb), yb)
-                    loss.backward()
+                    loss.backward()  # DDP all-reduces and averages the gradients in here
+                else:
+                    with ddp.no_sync():  # forward and backward without DDP's all-reduce
+                        loss = F.cross_entropy(ddp(xb), yb)
+                        loss.backward()
+            calls += counted
             optimizer.step()
-            calls += [ddp_bucket_bytes(ddp)] * allreduce.buckets
-            allreduce.reset()
             if cfg.sync == "average" and step % cfg.every == 0:
                 with counting_all_reduce() as counted:
                     average(ddp.module, world_size)
@@ -141,11 +140,6 @@ def rank_batches(source: DataSource, cfg: SyncConfig, rank: int, world_size: int
 def digits_of(rank: int, world_size: int) -> list[int]:
     """The digits `rank` trains on with split="by_label": 0-9 cut into world_size runs."""
     return [d for d in range(10) if d * world_size // 10 == rank]
-
-
-def ddp_bucket_bytes(ddp: DistributedDataParallel) -> int:
-    """Bytes of one DDP gradient bucket here: all the seed model's gradients fit in one."""
-    return sum(p.numel() * p.element_size() for p in ddp.parameters())
 
 
 @contextmanager
@@ -278,7 +272,7 @@ def allreduce_times(rank: int, world_size: int, numels: list[int], repeats: int 
         seconds = []
         for n in numels:
             t = torch.ones(n, device=device)
-            dist.all_reduce(t)  # warm-up: gloo sets up buffers for a new size on first use
+            dist.all_reduce(t)  # warm-up: a first call pays one-off costs (memory first touched)
             trials = []
             for _ in range(repeats):
                 dist.barrier()  # start together, so one rank's late arrival is not counted
@@ -360,8 +354,8 @@ def cost_round_rows(launches: list[list[list[dict]]], world_size: int = 2) -> li
 
 def slower_on_more_ranks(launches: list[list[list[dict]]]) -> bool:
     """Whether in every launch every size took longer at each larger world size than at the
-    next smaller one (the ring model says so on any machine: more latency steps, and a
-    bandwidth factor 2(N-1)/N that grows with N)."""
+    next smaller one (the ring model says so where α and B are the same at both sizes, as on
+    one machine's loopback: more latency steps, and a bandwidth factor 2(N-1)/N that grows)."""
     for timed in launches:
         by_size: dict[float, list[tuple[int, float]]] = {}
         for n, nbytes, seconds in cost_points(timed):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pickle
 import statistics
@@ -596,7 +595,7 @@ def _even_batches_run(rank: int, world_size: int, fn, batches_per_rank: list[int
         loss = fn(rank, world_size, own)
     steps = sum(c.op == "all_reduce" and c.shapes == ((GRAD_NUMEL,),) for c in ledger.calls)
     last = ledger.calls[-1] if ledger.calls else None
-    numel = sum(math.prod(shape) for shape in last.shapes) if last else 0
+    numel = sum(torch.Size(shape).numel() for shape in last.shapes) if last else 0
     return {"loss": loss, "steps": steps,
             "last": f"{last.op} of {numel} number(s)" if last else "no collective",
             "sums_loss": last is not None and last.op in ("all_reduce", "all_gather")
