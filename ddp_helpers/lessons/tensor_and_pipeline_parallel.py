@@ -287,6 +287,91 @@ def dropout_masks(outside: torch.Tensor, inside: torch.Tensor, shared: torch.Ten
             f"{equal_everywhere(shared == 0)}")
 
 
+# ---------------------------------------------------------------- the vocabulary split
+
+VOCAB = 48  # the embedding's rows and the logits' columns: 24 per rank on 2 ranks, 16 on 3
+
+
+class TinyLM(nn.Module):
+    """A language model's two vocabulary-sized layers and nothing between them: the embedding
+    (VOCAB rows of SEQ_D features) and the head, Linear(SEQ_D, VOCAB) without a bias, whose
+    outputs are the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, SEQ_D)
+        self.head = nn.Linear(SEQ_D, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens))
+
+
+def vocab_model(seed: int = 0) -> TinyLM:
+    """The embedding and the head, their weights from `seed` (the same on every rank)."""
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def token_batch(seed: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, sequence) = (2, 6) token ids and as many target ids in [0, VOCAB), the same on
+    every rank; every rank's share of the vocabulary (2 or 3 ranks) holds some of each."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (SEQ_BATCH, SEQ_LEN)
+    return torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g)
+
+
+def vocab_range(rank: int, world_size: int) -> tuple[int, int]:
+    """The rows [lo, hi) of the vocabulary rank `rank` owns."""
+    return rank * VOCAB // world_size, (rank + 1) * VOCAB // world_size
+
+
+def _equal_line(got: dict, want: dict, whole: str) -> str:
+    oks = [k for k, v in got.items() if case(k, _local(v), want[k], RTOL, ATOL).ok]
+    bad = [k for k in got if k not in oks]
+    return (f"{', '.join(oks)} equal {whole} within rtol={RTOL:g}, atol={ATOL:g}"
+            + (f"; NOT equal: {', '.join(bad)}" if bad else ""))
+
+
+def compare_vocab_embedding(got: dict[str, torch.Tensor], rank: int, world_size: int) -> str:
+    """The split embedding's output (`e`, whole) and this rank's rows of the weight's
+    gradient (`w_emb`) against nn.Embedding's on one rank, from the same dL/de."""
+    model = vocab_model(0)
+    tokens, _ = token_batch()
+    e = model.emb(tokens)
+    e.backward(sequence_input()[1])
+    lo, hi = vocab_range(rank, world_size)
+    return _equal_line(got, {"e": e.detach(), "w_emb": model.emb.weight.grad[lo:hi]},
+                       "the unsplit embedding's")
+
+
+def compare_vocab_loss(got: dict[str, torch.Tensor], rank: int, world_size: int) -> str:
+    """The vocabulary-parallel loss, dL/dh and this rank's rows of the head's weight gradient
+    against F.cross_entropy on the whole logits, on one rank."""
+    model = vocab_model(0)
+    _, targets = token_batch()
+    h = sequence_input()[0].requires_grad_(True)
+    loss = F.cross_entropy(model.head(h).flatten(0, 1), targets.flatten())
+    loss.backward()
+    lo, hi = vocab_range(rank, world_size)
+    return _equal_line(got, {"loss": loss.detach(), "h": h.grad,
+                             "w_head": model.head.weight.grad[lo:hi]},
+                       "F.cross_entropy's on the whole logits")
+
+
+def compare_loss_parallel(lm: nn.Module, loss, rank: int, world_size: int) -> str:
+    """torch's version (RowwiseParallel embedding, ColwiseParallel head, loss_parallel): the
+    loss, and both weights' gradients (the whole of each, summed from the DTensors), against
+    the unsplit model's."""
+    model = vocab_model(0)
+    tokens, targets = token_batch()
+    want = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    want.backward()
+    got = {"loss": loss.full_tensor(), "emb grad": lm.emb.weight.grad.full_tensor(),
+           "head grad": lm.head.weight.grad.full_tensor()}
+    return _equal_line(got, {"loss": want.detach(), "emb grad": model.emb.weight.grad,
+                             "head grad": model.head.weight.grad}, "the unsplit model's")
+
+
 # ---------------------------------------------------------------- sequence parallelism
 
 
@@ -679,6 +764,19 @@ def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: in
             "calls": list(log.calls),
             "peak_activations": saved.peak, "parameters": param_bytes(stage),
             "grads_equal": case("gradients", _flat(mine), _flat(want), RTOL, ATOL).ok}
+
+
+def compare_stage_grads(stage: nn.Module, rank: int, world_size: int) -> str:
+    """Are this stage's accumulated gradients (a step over micro-batches of pipeline_batch())
+    the unsplit model's for the whole batch, its blocks' share, within RTOL and ATOL?"""
+    whole = pipeline_model(0)
+    x, target = pipeline_batch()
+    loss_of(whole(x), target, PIPE_BATCH).backward()
+    want = _flat(p.grad for p in stage_of(whole, rank, world_size).parameters())
+    mine = _flat(p.grad.cpu() for p in stage.parameters())
+    ok = case("gradients", mine, want, RTOL, ATOL).ok
+    return (f"my stage's gradients, summed over the micro-batches, equal the unsplit model's "
+            f"on the whole batch within rtol={RTOL:g}, atol={ATOL:g}: {ok}")
 
 
 def _flat(tensors) -> torch.Tensor:
