@@ -19,7 +19,7 @@ PREDICTIONS = {  # name: (right answers written differently, wrong answers)
                      ["x", "data", "the model and x", "x, not the model", "y", "nothing"]),
     "drifting_buffer": (["model.1.running_mean", "running_var", "the BatchNorm buffers"],
                         ["model.1.weight", "model.0.weight", "bias", "gradients",
-                         "num_batches_tracked"]),
+                         "num_batches_tracked", "the buffer num_batches_tracked"]),
     "distinct_orders": ([1, "1", "one"], [3, 2, "three", 0, "1 or 3"]),
 }
 
@@ -62,6 +62,13 @@ WRONG_FIXES = {  # name: {label: (source, text the FAIL must name)}
             edit("report_loss", "    return avg.item()", "    return avg.item() if "
                  "dist.get_rank() == 0 else None"),
             "what rank 1 returned: at step 4: got None"),
+        "printed on every rank, to stderr": (
+            edit("report_loss", "    if dist.get_rank() == 0:\n"
+                 "        print(f\"step {step}: mean loss {avg.item():.3f}\")",
+                 "    import sys\n    print(f\"step {step}: mean loss {avg.item():.3f}\", "
+                 "file=sys.stderr)"),
+            "2 ranks, steps 0..9: rank 1 prints nothing (only rank 0 prints): it printed 2 "
+            "line(s)"),
         "summed, not averaged": (
             edit("report_loss", "    avg /= dist.get_world_size()\n", ""),
             "what rank 0 returned: at step 4: got 13"),
