@@ -207,10 +207,11 @@ def test_saved_activations_are_counted_once_and_released():
 
 
 def test_a_gloo_send_waits_for_the_matching_recv(pool):
-    # rank 1 is held at a barrier until rank 0 has looked, so its recv cannot come earlier
+    # rank 1 posts its recv 1 s after the barrier: the send cannot return before it (load on
+    # the machine only makes it later)
     assert pool.run("lesson.send_waits_for_recv(rank)") == [
-        "my send of 4 bytes finished before rank 1 posted its recv: False",
-        "posted my recv only after the barrier"]
+        "my blocking send of 4 bytes returned only after rank 1 posted its recv 1 s late: True",
+        "posted my recv 1 s after the barrier"]
 
 
 # ------------------------------------------- the notebook's attention and sequence-parallel cells

@@ -753,6 +753,9 @@ def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: in
     x, target = pipeline_batch(batch, **kw)
     inputs, targets = (t.to(device).tensor_split(num_microbatches) for t in (x, target))
     log = CollectiveLog()
+    # Start together: a rank still building its model would otherwise show as bubble on its
+    # neighbours' clocks (outside the log, so the counts are the schedule's alone).
+    dist.barrier()
     with SavedActivations(stage.parameters()) as saved, log:
         ran = run_stage(stage, orders[rank], rank, world_size, inputs, targets, batch)
     mine = [p.grad for p in stage.parameters()]
@@ -1036,22 +1039,28 @@ def memory_runs(rank: int, world_size: int, namespace: dict | None = None,
 # ---------------------------------------------------------------- torch.distributed.pipelining
 
 
+RECV_LATE_S = 1.0  # how late rank 1 posts its recv in send_waits_for_recv
+
+
 def send_waits_for_recv(rank: int, device: torch.device | None = None) -> str:
-    """Rank 0 starts an isend to rank 1 and looks whether it has finished while rank 1, held at
-    a barrier until rank 0 has looked, has not yet posted its recv. Unfinished: a blocking send
-    would wait there for its peer's recv, and two ranks that both send first would deadlock."""
-    if rank == 0:
-        work = dist.isend(torch.ones(1, device=device), dst=1)
-        time.sleep(0.2)  # room for a backend that sends eagerly to finish
-        done = work.is_completed()
-        dist.barrier()
-        work.wait()
-        return f"my send of 4 bytes finished before rank 1 posted its recv: {done}"
+    """Rank 0 makes a blocking send of one float to rank 1, which posts its recv RECV_LATE_S
+    after the barrier both leave together. On gloo the send returns only once that recv is
+    posted (gloo's tcp Pair::send holds the data until the peer says it is ready to receive), so
+    it takes at least about that long: two ranks that both send first would deadlock. A verdict
+    against a threshold, not the time itself, so that a loaded machine cannot change it (a late
+    peer only makes the send longer)."""
     dist.barrier()
+    if rank == 0:
+        start = time.perf_counter()
+        dist.send(torch.ones(1, device=device), dst=1)
+        took = time.perf_counter() - start
+        return (f"my blocking send of 4 bytes returned only after rank 1 posted its recv "
+                f"{RECV_LATE_S:g} s late: {took >= 0.9 * RECV_LATE_S}")
     if rank != 1:  # a third rank only keeps the barrier company
         return "not in this exchange"
+    time.sleep(RECV_LATE_S)
     dist.recv(torch.empty(1, device=device), src=0)
-    return "posted my recv only after the barrier"
+    return f"posted my recv {RECV_LATE_S:g} s after the barrier"
 
 
 def pipelining_status() -> str:
@@ -1078,7 +1087,8 @@ def pipelining_status() -> str:
                 "step sends an int64 stage index (8 B) where the neighbour receives into a "
                 "float32[1] (4 B), and gloo aborts the rank (torch/distributed/pipelining/"
                 "stage.py, _get_init_p2p_neighbors_ops); the kit runs them from torch 2.14, "
-                "where both are float32")
+                "whose first step warms up with an int32 vote instead (schedules.py, "
+                "_warmup_p2p)")
     return "runs"
 
 
