@@ -132,6 +132,9 @@ def test_a_rank_that_raises_while_the_other_waits_in_all_reduce_stops_both(pool,
     assert "Every rank was stopped" in text and "variables are gone" in text
     assert "rank 0 was in all_reduce, at this cell, line 4: dist.all_reduce(t)" in text
     assert not any(pid_alive(r.pid) for r in old)
+    # the message points at the snapshot, and the snapshot is there: rank 0's t, as it was
+    assert "what each held when stopped: `%ranks debug R`" in text
+    assert pool.snapshot is not None and "t =" in pool.snapshot.text(0)
     with pytest.raises(dh.RankRaised, match="NameError"):  # a fresh group: kept is gone
         pool.run("kept")
     assert "starting 2 fresh ranks" in capsys.readouterr().out

@@ -80,20 +80,24 @@ def stop_reason(ev: Evidence, host: Callable[[int], str] | None = None) -> str:
             else "a rank failed")
 
 
+# The kit takes every live rank's stack and variables before it stops them (Ranks._snapshot).
+KEPT = " (what each held when stopped: `%ranks debug R`)"
+
+
 def stopped(s: Stopped, where: str = "") -> str:
     """The sentence: every rank was stopped (why), where each was, what is gone, what next."""
     head = f"Every rank was stopped ({s.reason}){where}"
     if s.next is Next.LAUNCH_OVER:
         return head + "."
     if s.next is Next.FRESH_GROUP:
-        return head + ". Their variables are gone; the next cell starts a fresh group."
+        return head + f". Their variables are gone{KEPT}; the next cell starts a fresh group."
     closed = (": the notebook closed the connections of the ranks still running, so each of "
               "them exited (code 3)")
     if s.next is Next.TORCHRUN_RESTARTS:
         return (head + closed + ", and torchrun restarts the workers (each node's agent has at "
-                f"least {s.restarts_left} of its --max-restarts left). Their variables are gone; "
-                "the next cell runs on the fresh group.")
-    return (head + closed + ", and every torchrun agent ended. Their variables are gone; "
+                f"least {s.restarts_left} of its --max-restarts left). Their variables are "
+                f"gone{KEPT}; the next cell runs on the fresh group.")
+    return (head + closed + f", and every torchrun agent ended. Their variables are gone{KEPT}; "
             "`%ranks listen N` and start the torchrun jobs again for a fresh group.")
 
 
