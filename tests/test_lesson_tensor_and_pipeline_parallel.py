@@ -375,3 +375,12 @@ def test_at_three_ranks_the_dtensor_mlp_needs_an_even_split_as_the_notebook_says
         pool3.run(notebook_cell("x_dt = x.clone().requires_grad_()"))
     with pytest.raises(Exception, match="Sharding propagation failed"):
         pool3.run("lesson.tp_memory(rank, world_size, device)")
+
+
+def test_the_tracer_cuts_where_the_split_point_says_or_says_why_not():
+    text = lesson.traced_stages(split_at=3)
+    if text.startswith("not run on torch"):
+        assert "pipeline() tracer" in text and "2.14" in text  # the floor's path, said
+        return
+    assert "2 stages" in text and "stage 1: 6 tensors, 3.0.weight ... 5.0.bias" in text
+    assert text.endswith("(rtol=1e-05, atol=1e-06): True")

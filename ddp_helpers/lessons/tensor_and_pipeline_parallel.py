@@ -1092,6 +1092,34 @@ def pipelining_status() -> str:
     return "runs"
 
 
+def traced_stages(split_at: int = BLOCKS // 2, num_microbatches: int = 4) -> str:
+    """torch's `pipeline()` tracer on the pipeline model, cut at block `split_at`
+    (SplitPoint.BEGINNING): each stage's parameters, or why this torch cannot trace it. One
+    process, no group: tracing runs torch.export on one micro-batch, before any rank exists."""
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 14):
+        # torch 2.9.1's export unflattener fails on this model; releases in between were not
+        # checked.
+        return (f"not run on torch {torch.__version__.split('+')[0]}: its pipeline() tracer "
+                "fails on this model (torch/export/unflatten.py: \"Child module ... is not a "
+                "descendant of parent module\"); the kit traces from torch 2.14")
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    x, _ = pipeline_batch()
+    micro = x.tensor_split(num_microbatches)[0]
+    model = pipeline_model(0)
+    pipe = pipeline(model, mb_args=(micro,), split_spec={str(split_at): SplitPoint.BEGINNING})
+    lines = [f"pipeline() cut the model into {pipe.num_stages} stages:"]
+    for i in range(pipe.num_stages):
+        names = [n for n, _ in pipe.get_stage_module(i).named_parameters()]
+        lines.append(f"  stage {i}: {len(names)} tensors, {names[0]} ... {names[-1]}")
+    with torch.no_grad():
+        same = torch.allclose(pipe.get_stage_module(0)(micro), stage_of(model, 0, 2)(micro),
+                              rtol=RTOL, atol=ATOL)
+    lines.append(f"stage 0's output equals stage_of(model, 0, 2)'s on a micro-batch "
+                 f"(rtol={RTOL:g}, atol={ATOL:g}): {same}")
+    return "\n".join(lines)
+
+
 def torch_gpipe(rank: int, world_size: int, device: torch.device,
                 num_microbatches: int = 4) -> dict:
     """One step of the same pipeline with torch.distributed.pipelining's ScheduleGPipe: the
