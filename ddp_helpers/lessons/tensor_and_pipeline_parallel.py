@@ -152,8 +152,10 @@ def rows_first_forward(block: nn.Sequential, x: torch.Tensor, rank: int,
 
 def parallel_block(device: torch.device, seed: int = 0) -> nn.Module:
     """The same block through DTensor: ColwiseParallel on the first Linear, RowwiseParallel on
-    the second, on a one-dimensional mesh of every rank."""
+    the second, on a one-dimensional mesh of every rank, the hidden activation kept a DTensor
+    between them (the notebook's plan: it runs when the ranks do not divide the hidden width)."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -162,7 +164,8 @@ def parallel_block(device: torch.device, seed: int = 0) -> nn.Module:
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     return parallelize_module(mlp_block(seed).to(device), mesh,
-                              {"0": ColwiseParallel(), "2": RowwiseParallel()})
+                              {"0": ColwiseParallel(use_local_output=False),
+                               "2": RowwiseParallel(input_layouts=Shard(-1))})
 
 
 def describe_parameter(p) -> str:
