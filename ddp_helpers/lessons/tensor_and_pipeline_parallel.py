@@ -688,7 +688,7 @@ def run_stage(stage: nn.Module, order: list[tuple[str, int]], rank: int, world_s
     """Run this rank's stage over the micro-batches in `order`: a forward needs its input from
     the previous rank (the first stage reads `inputs`) and sends its output on; a backward needs
     the gradient of that output from the next rank (the last stage starts from the loss) and
-    sends its input's gradient back. As torch's own schedules do, each op's sends go out in one
+    sends its input's gradient back. Each op's sends go out in one
     `batch_isend_irecv` with the receives the next op needs, and the whole batch is waited on:
     on NCCL, sends and receives that must progress together are posted as one group. Returns
     what ran, with times: [(kind, micro-batch, start s, end s)]."""
@@ -1200,7 +1200,7 @@ def describe_torch_gpipe(records: list[dict | None]) -> str:
 
 # (batch, hidden, out): 48 hidden features first, even over 2, 3 or 4 ranks, so that a wrong
 # collective fails there on every rank alike (an all_gather of uneven shards would not match);
-# then 7, which no world size above 1 divides.
+# then 7, which no world size from 2 to 6 divides.
 ROW_CASES = ((8, 48, 16), (5, 7, 3))
 # The check's output tolerance: each output is a sum of 48 products of unit normals (terms up to
 # about 8 in all), which summed by rank, or by another CPU's kernels, lands up to a few 1e-6
@@ -1228,11 +1228,13 @@ def _everyone_ok(ok: bool, device: torch.device | None) -> bool:
 
 
 class _CollectivesAutogradMisses(TorchDispatchMode):
-    """Collectives that autograd cannot see: called with grad mode on, on a tensor that
-    requires a gradient (a bare dist.all_reduce of the product). Inside an autograd.Function's
-    forward, grad mode is off, so g's all-reduce is not recorded. c10d's all_reduce_ has no
-    autograd formula: torch's fallback passes the gradient through and warns that it "may lead
-    to silently incorrect behavior" (torch/csrc/autograd/autograd_not_implemented_fallback.cpp)."""
+    """Collectives whose gradient is not g's: called with grad mode on, on a tensor that
+    requires a gradient (a bare dist.all_reduce of the product, or the functional one). Inside
+    an autograd.Function's forward, grad mode is off, so g's all-reduce is not recorded.
+    c10d's all_reduce_ has no autograd formula: torch's fallback passes the gradient through and
+    warns that it "may lead to silently incorrect behavior"
+    (torch/csrc/autograd/autograd_not_implemented_fallback.cpp); the functional all_reduce's
+    formula differs by torch version (_unseen_text)."""
 
     def __init__(self):
         super().__init__()
@@ -1245,6 +1247,21 @@ class _CollectivesAutogradMisses(TorchDispatchMode):
                         for t in tree_leaves((args, kwargs)))):
             self.ops.append(str(func.overloadpacket.__name__))
         return func(*args, **(kwargs or {}))
+
+
+def _unseen_text(op: str) -> str:
+    """Why a collective run outside an autograd.Function is not g, for c10d's op or the
+    functional one (whose formula differs between torch versions)."""
+    if op in ("all_reduce", "all_reduce_"):  # _c10d_functional's names; c10d's is allreduce_
+        return ("your all_reduce is the functional collective: on torch 2.14 its backward "
+                "all-reduces dL/dy again (N times the gradient; "
+                "torch/distributed/_functional_collectives.py, all_reduce_backward), and on "
+                "2.9.1 it has no autograd formula; g's backward is the identity, so put the sum "
+                "in an autograd.Function")
+    return (f"your {op} ran on a tensor that requires a gradient, outside an autograd.Function: "
+            "autograd has no formula for c10d's collectives (torch's fallback passes the "
+            "gradient through and warns that this may be silently incorrect); put the sum in "
+            "an autograd.Function, g")
 
 
 def _row_inputs(batch: int, hidden: int, out: int, rank: int, world_size: int, device):
@@ -1296,10 +1313,7 @@ def _row_case(fn, batch: int, hidden: int, out: int, device) -> list[Case]:
         y.backward(dy.to(device))
     cases.append(Case(f"{label}: a sum autograd knows how to differentiate", not unseen.ops,
                       "" if not unseen.ops else
-                      f"your {unseen.ops[0]} ran on a tensor that requires a gradient, outside "
-                      "an autograd.Function: autograd has no formula for it (for c10d's, "
-                      "torch's fallback passes the gradient through and warns that this may be "
-                      "silently incorrect); put the sum in an autograd.Function, g"))
+                      _unseen_text(unseen.ops[0])))
     cases.append(Case(f"{label}: backward's collectives", not back.calls,
                       "" if not back.calls else
                       f"got {', '.join(c.text() for c in back.calls)}, expected none: every "
