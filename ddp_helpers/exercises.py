@@ -18,10 +18,12 @@ module of the notebook that sets the exercise:
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pkgutil
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,14 +254,27 @@ def require(namespace_or_module, *names: str):
 
 
 def _is_stub(fn) -> bool:
-    """A function whose body is only `...` or `raise NotImplementedError`: the template."""
+    """A function whose body, its docstring aside (one line or several), is only `...`, `pass`
+    or `raise NotImplementedError`: the template."""
     try:
-        body = inspect.getsource(fn)
-    except (OSError, TypeError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
         return False
-    lines = [ln.strip() for ln in body.splitlines()[1:] if ln.strip() and
-             not ln.strip().startswith(("#", '"""', "'''"))]
-    return lines in (["..."], ["pass"]) or (len(lines) == 1 and "NotImplementedError" in lines[0])
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if not defs:
+        return False
+    body = defs[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]  # the docstring
+    if len(body) != 1:
+        return False
+    only = body[0]
+    if isinstance(only, ast.Pass):
+        return True
+    if isinstance(only, ast.Expr) and isinstance(only.value, ast.Constant):
+        return only.value.value is Ellipsis
+    return isinstance(only, ast.Raise) and "NotImplementedError" in ast.dump(only)
 
 
 # -- registry and solutions -----------------------------------------------------------------
