@@ -168,7 +168,8 @@ def test_hints_come_one_at_a_time_and_the_diagnosis_only_after_a_checked_answer(
 
 def test_a_template_with_a_docstring_of_several_lines_is_still_the_template(tmp_path):
     # 09's attach_overlap_hooks has a two-line docstring over `...`: not attempted, not an answer
-    src = ('def template(model):\n    """Hook every parameter.\n    Return the list."""\n    ...\n\n'
+    src = ('def template(model):\n    """Hook every parameter.\n    Return the list."""\n'
+           '    ...\n\n'
            'def one_line(model):\n    """One line."""\n    raise NotImplementedError\n\n'
            'def answer(model):\n    """Hook every parameter.\n    Return the list."""\n'
            '    return []\n')

@@ -379,6 +379,9 @@ def test_at_three_ranks_the_dtensor_mlp_runs_on_its_uneven_split(pool3):
     memory = pool3.run("lesson.tp_memory(rank, world_size, device)")
     assert [m["DTensor"]["parameters"] for m in memory] == \
         [m["by hand"]["parameters"] for m in memory]
+    # each rank at its own share's formula (22, 22, 20 hidden features), as the table says
+    assert [m["DTensor"] for m in memory] == [lesson.tp_formulas(3, rank=r)["split"]
+                                               for r in range(3)]
 
 
 def test_the_tracer_cuts_where_the_split_point_says_or_says_why_not():

@@ -560,16 +560,21 @@ def tp_memory(rank: int, world_size: int, device: torch.device) -> dict[str, dic
     return out
 
 
+def hidden_share(world_size: int, rank: int = 0, hidden: int = HIDDEN) -> int:
+    """How many hidden features `rank` holds: torch.chunk's split (64 over 3: 22, 22, 20)."""
+    return len(torch.arange(hidden).chunk(world_size)[rank])
+
+
 def tp_formulas(world_size: int, batch: int = BATCH, d: int = D,
-                hidden: int = HIDDEN) -> dict[str, dict[str, int]]:
-    """fp32 bytes: parameters 2·d·h + h + d unsplit, (2·d·h + h)/N + d per rank (b2 whole);
-    activations x (b·d, on every rank), the pre-activation and the GELU's output (b·h each,
-    split over the N ranks)."""
-    n = world_size
+                hidden: int = HIDDEN, rank: int = 0) -> dict[str, dict[str, int]]:
+    """fp32 bytes: parameters 2·d·h + h + d unsplit, 2·d·h_r + h_r + d on a rank holding h_r
+    hidden features (h/N when N divides h; b2 whole); activations x (b·d, on every rank), the
+    pre-activation and the GELU's output (b·h each unsplit, b·h_r on the rank)."""
+    share = hidden_share(world_size, rank, hidden)
     return {"unsplit": {"parameters": 4 * (2 * d * hidden + hidden + d),
                         "activations": 4 * (batch * d + 2 * batch * hidden)},
-            "split": {"parameters": 4 * ((2 * d * hidden + hidden) // n + d),
-                      "activations": 4 * (batch * d + 2 * batch * hidden // n)}}
+            "split": {"parameters": 4 * (2 * d * share + share + d),
+                      "activations": 4 * (batch * d + 2 * batch * share)}}
 
 
 # ---------------------------------------------------------------- pipeline parallel
@@ -1009,12 +1014,20 @@ def describe_memory(tp: list[dict], pp: list[list[dict]], world_size: int) -> st
     tpf = tp_formulas(world_size)
     lines = [f"tensor parallel, the MLP block, batch {BATCH}, {world_size} ranks: KiB per rank "
              "(formula in brackets)"]
+    shares = [hidden_share(world_size, r) for r in range(world_size)]
     for kind, mem in tp[0].items():
-        want = tpf["unsplit" if kind == "unsplit" else "split"]
+        key = "unsplit" if kind == "unsplit" else "split"
+        want = tpf[key]
         same = all(r[kind] == mem for r in tp)
+        if same or kind == "unsplit":
+            note = f"every rank the same: {'yes' if same else 'NO'}"
+        else:  # an uneven split: each rank against its own share's formula
+            own = all(r[kind] == tp_formulas(world_size, rank=i)[key] for i, r in enumerate(tp))
+            note = (f"rank 0's; the shares are {', '.join(map(str, shares))} hidden features, "
+                    f"each rank at its share's formula: {'yes' if own else 'NO'}")
         lines.append(f"  {kind:<9} parameters {kib(mem['parameters'])} [{kib(want['parameters'])}]"
                      f"  activations {kib(mem['activations'])} [{kib(want['activations'])}]"
-                     f"  (every rank the same: {'yes' if same else 'NO'})")
+                     f"  ({note})")
     whole = unsplit_pipeline_memory()
     runs = {r[0]["schedule"].split(" ")[0]: r for r in by_run(pp)}
     m = next(iter(runs.values()))[0]["m"]

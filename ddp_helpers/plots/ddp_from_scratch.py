@@ -65,11 +65,12 @@ def bucket_curve(sweeps: list[list[dict]], compute_s: float, alpha: float, bandw
     ax.axvline(best, color="gray", ls="-.", label=f"b* = sqrt(alpha R S), R ~ B = {best:.2g} MiB")
     for cap, row in zip(caps, sweeps[0]):
         ax.annotate(f"{len(row['bucket_bytes'])}", (cap, 1), xycoords=("data", "axes fraction"),
-                    textcoords="offset points", xytext=(0, -12), ha="center", fontsize=8)
+                    textcoords="offset points", xytext=(0, 3), ha="center", va="bottom",
+                    fontsize=8)  # above the axes: inside, a count sat on the tallest points
     ax.set_xscale("log")
     ax.set_xlabel("bucket cap (MiB); the numbers at the top: buckets")
     ax.set_ylabel("median step time (ms)")
-    ax.set_title("Bucketed DDP: step time against bucket size")
+    ax.set_title("Bucketed DDP: step time against bucket size", pad=16)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig
