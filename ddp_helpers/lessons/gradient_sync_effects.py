@@ -354,8 +354,8 @@ def cost_round_rows(launches: list[list[list[dict]]], world_size: int = 2) -> li
 
 def slower_on_more_ranks(launches: list[list[list[dict]]]) -> bool:
     """Whether in every launch every size took longer at each larger world size than at the
-    next smaller one (the ring model says so where α and B are the same at both sizes, as on
-    one machine's loopback: more latency steps, and a bandwidth factor 2(N-1)/N that grows)."""
+    next smaller one (the ring model says so over one machine's loopback: more latency steps,
+    a bandwidth factor 2(N-1)/N that grows, and more ranks than cores only add waiting)."""
     for timed in launches:
         by_size: dict[float, list[tuple[int, float]]] = {}
         for n, nbytes, seconds in cost_points(timed):
