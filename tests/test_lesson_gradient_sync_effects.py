@@ -38,6 +38,9 @@ def test_ddp_keeps_parameters_exactly_equal_with_one_all_reduce_per_step(cfg):
     assert not torch.equal(r0["params"][-1], r0["params"][0])  # it did train
     assert r0["loss"] != r1["loss"]  # on different batches: the same split as without sync
     assert r0["allreduce_bytes"] == [31_400] * cfg.steps  # one bucket: all 7,850 gradients
+    # 1,500 images a rank: an epoch is 23 batches of 64 and one of 28, so 30 steps see the
+    # whole shard once, then 6 batches of 64 (not 30 x 64: the short batch counts as it is)
+    assert r0["samples_seen"] == 1_500 + 6 * 64
 
 
 def test_without_sync_the_ranks_drift_apart_and_never_communicate(cfg):

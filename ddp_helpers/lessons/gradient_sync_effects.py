@@ -94,8 +94,9 @@ def train_with_sync(rank: int, world_size: int, cfg: SyncConfig = SyncConfig(),
                                       device_ids=dh.device_ids(device))
         optimizer = torch.optim.SGD(ddp.parameters(), lr=cfg.lr)
         steps = cfg.steps or len(batches)
-        losses, snapshots, calls = [], [flat_params(ddp.module)], []
+        losses, snapshots, calls, seen = [], [flat_params(ddp.module)], [], 0
         for step, (xb, yb) in enumerate(_batches_for(batches, steps), 1):
+            seen += len(yb)  # an epoch's last batch may be short: count what was trained on
             optimizer.zero_grad()
             with counting_all_reduce() as counted:  # DDP's bucket all-reduces, bytes as sent
                 if cfg.sync == "ddp":
@@ -118,7 +119,7 @@ def train_with_sync(rank: int, world_size: int, cfg: SyncConfig = SyncConfig(),
         x_test, y_test = mnist_tensors(source, train=False, device=device)
         return {"rank": rank, "world_size": world_size, "sync": cfg.sync, "every": cfg.every,
                 "split": cfg.split, "lr": cfg.lr, "batch_size": cfg.batch_size, "loss": losses,
-                "params": torch.stack(snapshots), "samples_seen": steps * cfg.batch_size,
+                "params": torch.stack(snapshots), "samples_seen": seen,
                 "digits": sorted(set(batches.y.unique().tolist())),
                 "allreduce_bytes": calls, "backend": dist.get_backend(),
                 "accuracy": own_accuracy(ddp.module, x_test, y_test),
