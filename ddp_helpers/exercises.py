@@ -43,6 +43,21 @@ class NotAttempted(Exception):
     """Raised by a check when the learner has not given an answer yet."""
 
 
+class Unwritten(NotAttempted):
+    """A function the check requires is missing or still the template: `state` says which
+    (and what to write), `said(cell)` the whole sentence for the cell the answer goes in."""
+
+    def __init__(self, state: str):
+        self.state = state
+        super().__init__(self.said())
+
+    def said(self, cell: str = "its cell") -> str:
+        return f"{self.state}, run {cell}, then this check"
+
+
+RANKS_CELL = "its %%ranks cell (so that every rank has it)"
+
+
 @dataclass
 class Exercise:
     """A registered exercise: its name, kind and check function."""
@@ -190,10 +205,7 @@ def _run_on_ranks(ex: Exercise, pool) -> list[Case]:
         raise RuntimeError(f"the ranks failed while checking: {str(e).splitlines()[0]}") from e
     reasons = [r for r in per_rank if isinstance(r, str)]
     if reasons:  # a rank had nothing to check: say why, as that rank said it
-        said = reasons[0].replace("run its cell,", "run its %%ranks cell (so that every rank "
-                                  "has it),")
-        raise NotAttempted(said if said != reasons[0] else
-                           f"{said} (in a %%ranks cell, so that every rank has it)")
+        raise NotAttempted(reasons[0])
     return [Case(f"rank {r}: {c.label}", c.ok, c.detail)
             for r, cases in enumerate(per_rank) for c in cases]
 
@@ -204,8 +216,10 @@ def on_rank(name: str, namespace: dict) -> list[Case] | str:
     _REQUIRED.clear()
     try:
         return find(name).check(namespace)
+    except Unwritten as e:  # the answer goes in a %%ranks cell: say so where the check says run
+        return e.said(RANKS_CELL)
     except NotAttempted as e:
-        return str(e)
+        return f"{e} (in a %%ranks cell, so that every rank has it)"
 
 
 def cells_to_rebuild(namespace: dict) -> list[tuple[int, str]] | str:
@@ -244,11 +258,9 @@ def require(namespace_or_module, *names: str):
         else:
             fn = getattr(namespace_or_module, n, None)
         if fn is None:
-            raise NotAttempted(f"{n} is not defined yet: write it, run its cell, then this "
-                               "check")
+            raise Unwritten(f"{n} is not defined yet: write it")
         if _is_stub(fn):
-            raise NotAttempted(f"{n} is still the template (its body is `...`): write the "
-                               "body, run its cell, then this check")
+            raise Unwritten(f"{n} is still the template (its body is `...`): write the body")
         found.append(fn)
     return found[0] if len(found) == 1 else found
 

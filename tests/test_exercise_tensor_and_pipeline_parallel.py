@@ -11,15 +11,12 @@ gradients and FAILs there."""
 from fractions import Fraction
 
 import pytest
-import torch
 from conftest import solution_edit as edit
 from exercise_support import assert_all_fail, assert_all_pass, verdicts
 
 import ddp_helpers as dh
 from ddp_helpers import exercises
 from ddp_helpers.lessons import tensor_and_pipeline_parallel as lesson
-
-TORCH = tuple(int(p) for p in torch.__version__.split(".")[:2])
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +99,13 @@ def row_wrong(n: int) -> dict[str, tuple[str, str]]:
         "a functional all_reduce (right values; its backward sums dL/dy again)": (
             rows("    import torch.distributed._functional_collectives as funcol\n"
                  "    y = funcol.all_reduce(h_shard @ weight_shard.T, 'sum', dist.group.WORLD)\n"),
-            # 2.9.1 has no autograd formula for it (the dispatch mode sees it under grad mode);
-            # 2.14.1's formula all-reduces dL/dy in backward (backward's collectives FAIL)
+            # without a formula (2.9.1) the dispatch mode sees it under grad mode; with one
+            # (2.14.1) it all-reduces dL/dy in backward (backward's collectives FAIL)
             f"rank 0: {first}: " + (
+                "backward's collectives: got all_reduce"
+                if lesson.functional_all_reduce_has_backward() else
                 "a sum autograd knows how to differentiate: your all_reduce is the functional "
-                "collective" if TORCH < (2, 14) else "backward's collectives: got "
-                "all_reduce")),
+                "collective: this torch has no autograd formula for it")),
         "g with an all-reduce in backward too (right values)": (
             edit("row_parallel", "    def backward(ctx, grad):\n        return grad",
                  "    def backward(ctx, grad):\n        grad = grad.clone()\n"

@@ -767,9 +767,7 @@ def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: in
     with SavedActivations(stage.parameters()) as saved, log:
         ran = run_stage(stage, orders[rank], rank, world_size, inputs, targets, batch)
     mine = [p.grad for p in stage.parameters()]
-    whole = pipeline_model(0, **kw)
-    loss_of(whole(x), target, batch).backward()
-    want = [p.grad for p in stage_of(whole, rank, world_size).parameters()]
+    want = _unsplit_stage_grads(rank, world_size, batch, **kw)
     return {"schedule": source, "m": num_microbatches, "ran": ran,
             "order": [(k, i) for k, i, _, _ in ran], "collectives": log.summary(),
             "calls": list(log.calls),
@@ -780,14 +778,20 @@ def run_pipeline(schedule: str, num_microbatches: int, rank: int, world_size: in
 def compare_stage_grads(stage: nn.Module, rank: int, world_size: int) -> str:
     """Are this stage's accumulated gradients (a step over micro-batches of pipeline_batch())
     the unsplit model's for the whole batch, its blocks' share, within RTOL and ATOL?"""
-    whole = pipeline_model(0)
-    x, target = pipeline_batch()
-    loss_of(whole(x), target, PIPE_BATCH).backward()
-    want = _flat(p.grad for p in stage_of(whole, rank, world_size).parameters())
+    want = _flat(_unsplit_stage_grads(rank, world_size, PIPE_BATCH))
     mine = _flat(p.grad.cpu() for p in stage.parameters())
     ok = case("gradients", mine, want, RTOL, ATOL).ok
     return (f"my stage's gradients, summed over the micro-batches, equal the unsplit model's "
             f"on the whole batch within rtol={RTOL:g}, atol={ATOL:g}: {ok}")
+
+
+def _unsplit_stage_grads(rank: int, world_size: int, batch: int, **kw) -> list[torch.Tensor]:
+    """The gradients of stage `rank`'s blocks when the unsplit model takes the whole batch:
+    what a pipeline step over micro-batches must add up to."""
+    whole = pipeline_model(0, **kw)
+    x, target = pipeline_batch(batch, **kw)
+    loss_of(whole(x), target, batch).backward()
+    return [p.grad for p in stage_of(whole, rank, world_size).parameters()]
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -1110,20 +1114,20 @@ def pipelining_status() -> str:
 
 def traced_stages(split_at: int = BLOCKS // 2, num_microbatches: int = 4) -> str:
     """torch's `pipeline()` tracer on the pipeline model, cut at block `split_at`
-    (SplitPoint.BEGINNING): each stage's parameters, or why this torch cannot trace it. One
-    process, no group: tracing runs torch.export on one micro-batch, before any rank exists."""
-    if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 14):
-        # torch 2.9.1's export unflattener fails on this model; releases in between were not
-        # checked.
-        return (f"not run on torch {torch.__version__.split('+')[0]}: its pipeline() tracer "
-                "fails on this model (torch/export/unflatten.py: \"Child module ... is not a "
-                "descendant of parent module\"); the kit traces from torch 2.14")
+    (SplitPoint.BEGINNING): each stage's parameters, or why this torch cannot trace it (torch
+    2.9.1's export unflattener fails on this model). One process, no group: tracing runs
+    torch.export on one micro-batch, before any rank exists."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     x, _ = pipeline_batch()
     micro = x.tensor_split(num_microbatches)[0]
     model = pipeline_model(0)
-    pipe = pipeline(model, mb_args=(micro,), split_spec={str(split_at): SplitPoint.BEGINNING})
+    try:
+        pipe = pipeline(model, mb_args=(micro,), split_spec={str(split_at): SplitPoint.BEGINNING})
+    except RuntimeError as e:  # asked of torch itself, not of its version number
+        return (f"not run on torch {torch.__version__.split('+')[0]}: its pipeline() tracer "
+                f"fails on this model (torch/export/unflatten.py: "
+                f"{(str(e).splitlines() or [''])[0][:90]}...); torch 2.14 traces it")
     lines = [f"pipeline() cut the model into {pipe.num_stages} stages:"]
     for i in range(pipe.num_stages):
         names = [n for n, _ in pipe.get_stage_module(i).named_parameters()]
@@ -1262,15 +1266,24 @@ class _CollectivesAutogradMisses(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def functional_all_reduce_has_backward() -> bool:
+    """Whether this torch gives the functional all_reduce an autograd formula (2.14.1 does:
+    torch/distributed/_functional_collectives.py, all_reduce_backward, which all-reduces the
+    gradient again; 2.9.1 has none)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return hasattr(funcol, "all_reduce_backward")
+
+
 def _unseen_text(op: str) -> str:
     """Why a collective run outside an autograd.Function is not g, for c10d's op or the
-    functional one (whose formula differs between torch versions)."""
+    functional one (whose formula this torch is asked for)."""
     if op in ("all_reduce", "all_reduce_"):  # _c10d_functional's names; c10d's is allreduce_
-        return ("your all_reduce is the functional collective: on torch 2.14 its backward "
-                "all-reduces dL/dy again (N times the gradient; "
-                "torch/distributed/_functional_collectives.py, all_reduce_backward), and on "
-                "2.9.1 it has no autograd formula; g's backward is the identity, so put the sum "
-                "in an autograd.Function")
+        formula = ("its backward all-reduces dL/dy again (N times the gradient)"
+                   if functional_all_reduce_has_backward() else
+                   "this torch has no autograd formula for it")
+        return (f"your all_reduce is the functional collective: {formula}; g's backward is "
+                "the identity, so put the sum in an autograd.Function")
     return (f"your {op} ran on a tensor that requires a gradient, outside an autograd.Function: "
             "autograd has no formula for c10d's collectives (torch's fallback passes the "
             "gradient through and warns that this may be silently incorrect); put the sum in "

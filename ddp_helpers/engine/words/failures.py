@@ -309,10 +309,6 @@ def _ranks(ranks: list[int]) -> str:
     return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
-def _first_line(text: str) -> str:
-    return (clean_error_text(text).splitlines() or [""])[0]
-
-
 GIST_CHARS = 160
 
 
