@@ -101,9 +101,10 @@ def lr_scaling_plot(runs: list[tuple[int, str, list[dict]]], window: int = 10):
     return fig
 
 
-def allreduce_cost_plot(measured: list[list[dict]], fit: tuple[float, float]):
+def allreduce_cost_plot(measured: list[list[dict]], fit: tuple[float, float], fitted_on: int):
     """Measured all-reduce seconds against bytes per world size, with the ring model
-    t = 2(N-1) alpha + 2(N-1)/N * S / B fitted to all the points."""
+    t = 2(N-1) alpha + 2(N-1)/N * S / B for the (alpha, B) the caller fitted on the points of
+    world size `fitted_on`: the title says so, since the other sizes' curves are predictions."""
     alpha, bandwidth = fit
     fig, axes = new_axes(width=7.0, height=3.8)
     ax = axes[0][0]
@@ -121,8 +122,8 @@ def allreduce_cost_plot(measured: list[list[dict]], fit: tuple[float, float]):
     ax.set_yscale("log")
     ax.set_xlabel("bytes all-reduced, S (float32)")
     ax.set_ylabel("milliseconds per all-reduce")
-    ax.set_title(f"Ring all-reduce cost (fit: alpha {alpha * 1e6:.0f} us, "
-                 f"B {bandwidth / 1e9:.2g} GB/s)")
+    ax.set_title(f"Ring all-reduce cost (fit on {fitted_on} ranks: alpha {alpha * 1e6:.0f} us, "
+                 f"B {bandwidth / 1e9:.2g} GB/s; the others predicted)")
     ax.legend(loc="upper left", fontsize="small")
     fig.tight_layout()
     return fig
