@@ -89,6 +89,16 @@ def test_the_iid_runs_print_the_notebooks_numbers(source):
                                                 runs["DDP (sync every step)"][0])] == [0, 30, 150]
 
 
+def test_summary_loss_is_the_last_ten_steps_mean_not_the_short_last_batch():
+    losses = [5.0] * 20 + [1.0] * 9 + [10.0]  # a short last batch's outlier
+    assert lesson.tail_loss(losses) == (9 * 1.0 + 10.0) / 10
+    assert lesson.tail_loss([2.0, 4.0]) == 3.0  # fewer steps than the window: all of them
+    results = [{"rank": r, "samples_seen": 640, "loss": losses, "accuracy": 0.5,
+                "params": torch.zeros(2, 3)} for r in range(2)]
+    line = lesson.run_summary(results)[0]
+    assert "loss over the last 10 steps 1.900" in line and "10.000" not in line
+
+
 def test_one_rank_and_four_ranks_run_and_say_their_backend(cfg):
     one = run(1, replace(cfg, steps=None))
     four = run(4, replace(cfg, steps=None))

@@ -190,11 +190,20 @@ def mean_loss(results: list[dict]) -> list[float]:
     return torch.tensor([r["loss"] for r in results]).mean(dim=0).tolist()
 
 
+def tail_loss(losses: list[float], window: int = 10) -> float:
+    """The mean of the last `window` losses: the last step's alone is one batch's, and an epoch's
+    last batch is short, so its order between runs or ranks is noise (the plots' smoothing, too)."""
+    tail = losses[-window:]
+    return sum(tail) / len(tail)
+
+
 def run_summary(results: list[dict]) -> list[str]:
-    """Lines for the parent to print: per rank its final loss and accuracy, then the distance."""
+    """Lines for the parent to print: per rank its loss over the last 10 steps and its accuracy,
+    then the distance between the ranks."""
     gap = param_distance(results)
     lines = [f"rank {r['rank']}: {r['samples_seen']:,} samples in {len(r['loss'])} steps, "
-             f"last loss {r['loss'][-1]:.3f}, test accuracy {r['accuracy']:.3f}" for r in results]
+             f"loss over the last 10 steps {tail_loss(r['loss']):.3f}, test accuracy "
+             f"{r['accuracy']:.3f}" for r in results]
     if len(results) > 1:
         # Three digits: a fourth would follow the float rounding of another CPU's kernels.
         lines.append(f"parameter distance between the ranks: {gap[-1].item():.3g} after the last "
