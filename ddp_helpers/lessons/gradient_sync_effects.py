@@ -190,19 +190,24 @@ def mean_loss(results: list[dict]) -> list[float]:
     return torch.tensor([r["loss"] for r in results]).mean(dim=0).tolist()
 
 
-def tail_loss(losses: list[float], window: int = 10) -> float:
-    """The mean of the last `window` losses: the last step's alone is one batch's, and an epoch's
-    last batch is short, so its order between runs or ranks is noise (the plots' smoothing, too)."""
+# Steps a printed or plotted loss is averaged over: one step's loss is one batch's (an epoch's last
+# batch is short), so its order between runs or ranks is noise.
+LOSS_WINDOW = 10
+
+
+def tail_loss(losses: list[float], window: int = LOSS_WINDOW) -> float:
+    """The mean of the last `window` losses (all of them where there are fewer): the value the
+    plots' smoothed curve ends on."""
     tail = losses[-window:]
     return sum(tail) / len(tail)
 
 
 def run_summary(results: list[dict]) -> list[str]:
-    """Lines for the parent to print: per rank its loss over the last 10 steps and its accuracy,
-    then the distance between the ranks."""
+    """Lines for the parent to print: per rank its loss over the last LOSS_WINDOW steps and its
+    accuracy, then the distance between the ranks."""
     gap = param_distance(results)
     lines = [f"rank {r['rank']}: {r['samples_seen']:,} samples in {len(r['loss'])} steps, "
-             f"loss over the last 10 steps {tail_loss(r['loss']):.3f}, test accuracy "
+             f"loss over the last {LOSS_WINDOW} steps {tail_loss(r['loss']):.3f}, test accuracy "
              f"{r['accuracy']:.3f}" for r in results]
     if len(results) > 1:
         # Three digits: a fourth would follow the float rounding of another CPU's kernels.

@@ -19,7 +19,8 @@ def _smooth(values, window: int) -> tuple[np.ndarray, np.ndarray]:
     return np.arange(window, len(v) + 1), smooth
 
 
-def loss_and_distance_plot(results: list[dict], title: str | None = None, window: int = 10):
+def loss_and_distance_plot(results: list[dict], title: str | None = None,
+                           window: int = gs.LOSS_WINDOW):
     """Left: each rank's loss per step; right: how far the ranks' parameters are apart."""
     fig, axes = new_axes(ncols=2, width=5.2, height=3.4)
     ax_loss, ax_gap = axes[0]
@@ -56,7 +57,7 @@ def loss_and_distance_plot(results: list[dict], title: str | None = None, window
     return fig
 
 
-def sync_modes_plot(runs: dict[str, list[dict]], window: int = 10, title: str = ""):
+def sync_modes_plot(runs: dict[str, list[dict]], window: int = gs.LOSS_WINDOW, title: str = ""):
     """For each way of syncing: the ranks' parameter distance (left) and mean loss (right)."""
     fig, axes = new_axes(ncols=2, width=5.2, height=3.4)
     ax_gap, ax_loss = axes[0]
@@ -82,7 +83,7 @@ def sync_modes_plot(runs: dict[str, list[dict]], window: int = 10, title: str = 
     return fig
 
 
-def lr_scaling_plot(runs: list[tuple[int, str, list[dict]]], window: int = 10):
+def lr_scaling_plot(runs: list[tuple[int, str, list[dict]]], window: int = gs.LOSS_WINDOW):
     """Mean loss against samples processed by all ranks together, per world size and lr rule."""
     fig, axes = new_axes(width=7.0, height=3.8)
     ax = axes[0][0]
@@ -101,11 +102,11 @@ def lr_scaling_plot(runs: list[tuple[int, str, list[dict]]], window: int = 10):
     return fig
 
 
-def allreduce_cost_plot(measured: list[list[dict]], fit: tuple[float, float], fitted_on: int):
+def allreduce_cost_plot(measured: list[list[dict]], fitted_on: int):
     """Measured all-reduce seconds against bytes per world size, with the ring model
-    t = 2(N-1) alpha + 2(N-1)/N * S / B for the (alpha, B) the caller fitted on the points of
-    world size `fitted_on`: the title says so, since the other sizes' curves are predictions."""
-    alpha, bandwidth = fit
+    t = 2(N-1) alpha + 2(N-1)/N * S / B fitted on the points of world size `fitted_on` only
+    (`fit_ring_on`): the title says so, since the other sizes' curves are predictions."""
+    alpha, bandwidth = gs.fit_ring_on(gs.cost_points(measured), fitted_on)
     fig, axes = new_axes(width=7.0, height=3.8)
     ax = axes[0][0]
     for n, nbytes, seconds in gs.cost_points(measured):
